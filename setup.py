@@ -1,0 +1,5 @@
+"""Packaging entry point; all metadata lives in setup.cfg."""
+
+from setuptools import setup
+
+setup()

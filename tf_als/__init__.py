@@ -1,0 +1,30 @@
+"""tf_als: adaptive per-layer loss scaling for float16 training in Keras 3.
+
+Implements *Mixed Precision Training* (Micikevicius et al., 2017) and
+*Adaptive Loss Scaling for Mixed Precision Training* (Zhao, Vogel, Ahmed,
+2019) for Keras 3 on TensorFlow.
+
+```python
+import keras, tf_als
+keras.mixed_precision.set_global_policy("mixed_float16")
+model = tf_als.instrument(build_model())
+model.compile(optimizer=tf_als.AdaptiveLossScaleOptimizer(keras.optimizers.Adam()),
+              loss=..., metrics=[...])
+model.fit(data)
+tf_als.scales(model)
+```
+"""
+
+from tf_als.instrument import InstrumentedModel
+from tf_als.instrument import instrument
+from tf_als.instrument import scales
+from tf_als.optimizer import AdaptiveLossScaleOptimizer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AdaptiveLossScaleOptimizer",
+    "InstrumentedModel",
+    "instrument",
+    "scales",
+]

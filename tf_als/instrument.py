@@ -1,0 +1,268 @@
+"""`instrument(model)`: the same layers, with a scaling point at every call of
+a layer with weights, and `scales(model)` to read them."""
+
+import re
+
+import keras
+from keras.src import tree
+from keras.src.models.functional import operation_fn
+
+from tf_als import backward
+from tf_als import graph
+from tf_als import link
+from tf_als import optimizer as optimizer_module
+from tf_als import state
+
+
+def instrument(model):
+    """Returns a model that shares `model`'s layers and weights and gives
+    every call of a layer with weights its own adaptive loss scale.
+
+    The returned model's forward outputs are bitwise equal to `model`'s; only
+    the backward pass changes (see `tf_als.backward`). Train it with a
+    `tf_als.AdaptiveLossScaleOptimizer` under the `mixed_float16` policy.
+
+    Args:
+        model: a built Sequential or Functional `keras.Model` with at least
+            one float16 layer that owns weights. Nested Sequential/Functional
+            models are instrumented layer by layer; other layers (subclassed
+            models used as layers included) are one scaling point each.
+
+    Returns:
+        An `InstrumentedModel` (a `keras.Model`).
+
+    Raises:
+        TypeError: `model` is not a Sequential or Functional model.
+        ValueError: `model` is already instrumented, not built, has no
+            float16 layer with weights, or uses something tf_als cannot
+            scale (the message says what and what to do).
+
+    Example:
+
+    ```python
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    inputs = keras.Input((64,))
+    x = keras.layers.Dense(128, activation="relu")(inputs)
+    outputs = keras.layers.Dense(10, dtype="float32")(x)
+    model = tf_als.instrument(keras.Model(inputs, outputs))
+    model.compile(
+        optimizer=tf_als.AdaptiveLossScaleOptimizer(keras.optimizers.Adam()),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    ```
+    """
+    return InstrumentedModel(model)
+
+
+def scales(model):
+    """The current per-layer scale of every scaling point of an instrumented
+    model, as `{point name: float}` in execution order.
+
+    Point names are the layer's name, prefixed by the names of enclosing
+    nested models (`"encoder/dense"`), with `"/call_<i>"` appended for a
+    layer called more than once.
+
+    Raises:
+        TypeError: `model` was not returned by `tf_als.instrument`.
+    """
+    if not isinstance(model, InstrumentedModel):
+        raise TypeError(
+            "tf_als.scales() needs a model returned by tf_als.instrument(); "
+            f"received {type(model).__name__} "
+            f"{getattr(model, 'name', model)!r}. Instrument it first: "
+            "`model = tf_als.instrument(model)`."
+        )
+    return {
+        point.point_name: float(keras.ops.convert_to_numpy(point.scale))
+        for point in model.scaling_points
+    }
+
+
+@keras.saving.register_keras_serializable(package="tf_als")
+class InstrumentedModel(keras.Model):
+    """A Sequential/Functional model run with per-layer adaptive loss scales.
+
+    Made by `tf_als.instrument(model)`; see there. It shares `model`'s layers
+    (and so its weights), runs the same layer calls in the same order, and
+    adds custom-gradient identities that scale gradients on the way back.
+    Its state is one `tf_als.state.ScalingPoint` per scaling point
+    (`scaling_points`), saved with the model and in checkpoints.
+
+    When called with `training=False` (`predict`, `evaluate`) it simply calls
+    the original model.
+
+    Args:
+        model: the built Sequential or Functional model to instrument.
+        **kwargs: `keras.Model` arguments (`name`, ...).
+    """
+
+    def __init__(self, model, **kwargs):
+        if isinstance(model, InstrumentedModel):
+            raise ValueError(
+                f"Model {model.name!r} is already instrumented; pass it to "
+                "compile()/fit() as it is (instrumenting twice would scale "
+                "every gradient twice)."
+            )
+        plan = graph.read(model)
+        _check_plan(plan)
+        kwargs.setdefault("name", f"{model.name}_instrumented")
+        super().__init__(**kwargs)
+        # Inputs reach the layers exactly as they reach the original model.
+        self._convert_input_args = False
+        self._allow_non_tensor_positional_args = True
+        self.model = model
+        self._plan = plan
+        self.scaling_points = [
+            state.ScalingPoint(point_name=name, name=_variable_name(name))
+            for name in plan.point_names
+        ]
+        functional = graph.functional_of(model)
+        if hasattr(functional, "output_names"):
+            self.output_names = list(functional.output_names)
+        self.built = True
+
+    @property
+    def plan(self):
+        """The `tf_als.graph.Plan` the model runs."""
+        return self._plan
+
+    def call(self, inputs, training=None, mask=None):
+        if training is False:
+            return self.model(inputs, training=False, mask=mask)
+        self._check_unchanged()
+        return _run(
+            self._plan,
+            self.scaling_points,
+            inputs,
+            training,
+            lambda: link.controller(self),
+        )
+
+    def compile(self, optimizer="rmsprop", *args, **kwargs):
+        if optimizer is not None and not isinstance(
+            optimizer, optimizer_module.AdaptiveLossScaleOptimizer
+        ):
+            raise TypeError(
+                f"Instrumented model {self.name!r} must be compiled with a "
+                "tf_als.AdaptiveLossScaleOptimizer (it drives the per-layer "
+                f"scales); received {optimizer!r}. Wrap your optimizer: "
+                "`optimizer=tf_als.AdaptiveLossScaleOptimizer("
+                "keras.optimizers.Adam())`."
+            )
+        super().compile(optimizer, *args, **kwargs)
+        if optimizer is not None:
+            link.bind(self, optimizer)
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "trainable": self.trainable,
+            "model": keras.saving.serialize_keras_object(self.model),
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        model = keras.saving.deserialize_keras_object(
+            config.pop("model"), custom_objects=custom_objects
+        )
+        return cls(model, **config)
+
+    def _check_unchanged(self):
+        for call in self._plan.calls:
+            if call.kind == graph.LAYER and call.point is None:
+                if getattr(call.operation, "weights", None):
+                    raise ValueError(
+                        f"Layer {call.operation.name!r} gained weights after "
+                        "tf_als.instrument() read the model, so its weight "
+                        "gradients would not be unscaled. Instrument the model "
+                        "again after building every layer."
+                    )
+
+
+def _run(plan, points, inputs, training, find_controller):
+    """Runs `plan` on `inputs` with scaling points, forks and alignments."""
+    back = backward.Backward(plan, points, find_controller)
+    top = graph.functional_of(plan.model)
+    values, edges = {}, {}
+
+    def bind(slot, tensor):
+        values[slot] = tensor
+        consumers = plan.consumers.get(slot, ())
+        if slot in plan.float_slots and len(consumers) > 1:
+            for consumer, copy in zip(
+                consumers, back.fork(slot, tensor, len(consumers))
+            ):
+                edges[(slot, consumer)] = copy
+
+    def value(slot, consumer):
+        return edges.get((slot, consumer), values[slot])
+
+    for slot, x in zip(plan.input_slots, top._standardize_inputs(inputs)):
+        bind(slot, x)
+
+    for call in plan.calls:
+        if call.kind == graph.ENTER:
+            flat = [
+                value(slot, (graph.ENTER, call.index, position))
+                for position, (_, slot) in enumerate(call.inputs)
+            ]
+            flat = call.operation._convert_inputs_to_tensors(flat)
+            outputs = call.operation._adjust_input_rank(flat)
+        else:
+            key = (graph.CALL, call.index)
+            filled = {kid: value(slot, key) for kid, slot in call.inputs}
+            args, kwargs = call.node.arguments.fill_in(filled)
+            context_training = training if call.training is None else call.training
+            function = operation_fn(call.operation, training=context_training)
+            if call.point is not None:
+                outputs = back.point(call, function, args, kwargs)
+            else:
+                outputs = back.align(call, tree.flatten(function(*args, **kwargs)))
+        for slot, y in zip(call.outputs, outputs):
+            bind(slot, y)
+
+    outputs = [
+        value(slot, (graph.OUTPUT, k)) for k, slot in enumerate(plan.output_slots)
+    ]
+    outputs = tree.pack_sequence_as(top._outputs_struct, outputs)
+    if isinstance(outputs, (list, tuple)) and len(outputs) == 1:
+        return outputs[0]
+    return outputs
+
+
+def _check_plan(plan):
+    name = plan.model.name
+    if not plan.point_names:
+        raise ValueError(
+            f"Model {name!r} has no layer with weights, so there is nothing "
+            "to scale or train; tf_als.instrument() needs a model with "
+            "trainable layers."
+        )
+    if not any(
+        call.kind == graph.LAYER
+        and getattr(call.operation, "compute_dtype", None) == "float16"
+        for call in plan.calls
+    ):
+        raise ValueError(
+            f"Model {name!r} computes nothing in float16 (its layers' policy "
+            f"is {plan.model.dtype_policy.name!r}); float32 and bfloat16 "
+            "gradients do not underflow, so loss scaling is unnecessary. "
+            "To train in float16, call "
+            "`keras.mixed_precision.set_global_policy('mixed_float16')` "
+            "before building the model."
+        )
+    for call in plan.calls:
+        layer = call.operation
+        if call.point is not None and getattr(layer, "activity_regularizer", None):
+            raise ValueError(
+                f"Layer {layer.name!r} has weights and an activity "
+                "regularizer; tf_als cannot route the regularizer's gradient "
+                "through the layer's scaling point. Move the regularizer "
+                "into a `keras.layers.ActivityRegularization` layer after it."
+            )
+
+
+def _variable_name(point_name):
+    """Keras layer and variable names may not contain '/'."""
+    return "scaling_point_" + re.sub(r"[^0-9A-Za-z_.-]", ".", point_name)
