@@ -2,32 +2,33 @@
 per-call unscaling, as custom-gradient identities around the original calls.
 
 Scale bookkeeping. Every tensor t that receives a gradient carries a scale
-T(t) relative to the global loss scale S; it is tracked as an integer
-exponent, e(t) = log2 T(t), while the backward pass is traced:
+T(t), a power of two relative to the global loss scale S, tracked as a
+float32 scalar while the backward pass is traced:
 
-    e(model output)      = 0
-    e_in(point n)        = e_out(n) + log2 s_n          (s_n may be updated)
-    e_in(weightless c)   = e_out(c)
-    e_out(call)          = min over its outputs' e(t)   (outputs rescaled)
-    e(t)                 = min over the consumers of t  (contributions rescaled)
+    T(model output)      = 1
+    T_in(point n)        = s_n * T_out(n)              (s_n may be updated)
+    T_in(weightless c)   = T_out(c)
+    T_out(call)          = min over its outputs' T(t)  (outputs rescaled)
+    T(t)                 = min over the consumers of t (contributions rescaled)
 
-Gradients run from the loss to the inputs, so when a call's gradient function
-runs, every consumer of its outputs has already run and recorded its
-exponent: the exponents are plain tensors handed from one gradient function to
-the next through a `Backward` object made fresh for each forward pass (so
-replicas and retraces never share one). A scaling point's weight gradients
-are multiplied by 2**-e_in(n) in float32 inside its own gradient function, so
-every variable receives exactly S times its true gradient, whichever calls it
-came from; `keras.optimizers.LossScaleOptimizer` then divides by S.
+Products and ratios of powers of two are exact in float32. Gradients run
+from the loss to the inputs, so when a call's gradient function runs, every
+consumer of its outputs has already run and recorded its scale: the scales
+are plain tensors handed from one gradient function to the next through a
+`Backward` object made fresh for each forward pass (so replicas and retraces
+never share one). A scaling point's weight gradients are divided by
+T_in(n) in float32 inside its own gradient function, so every variable
+receives exactly S times its true gradient, whichever calls it came from;
+`keras.optimizers.LossScaleOptimizer` then divides by S.
 """
 
 import tensorflow as tf
 from keras.src import backend as keras_backend
 from keras.src import tree
 
-from tf_als import _pow2
 from tf_als import graph
 from tf_als import policy
+from tf_als import state as state_module
 
 
 class Backward:
@@ -47,9 +48,9 @@ class Backward:
         self.plan = plan
         self.points = points
         self._find_controller = find_controller
-        self._slot_exponents = {}
-        self._point_exponents = {}  # call index -> e_in of a scaling point
-        self._call_exponents = {}  # call index -> e_out
+        self._slot_scales = {}
+        self._point_scales = {}  # call index -> T_in of a scaling point
+        self._call_scales = {}  # call index -> T_out
         self._should_update = None
 
     @property
@@ -59,47 +60,45 @@ class Backward:
             self._find_controller = None
         return self._controller
 
-    # -- exponent bookkeeping (runs while the backward pass is traced) -----
+    # -- scale bookkeeping (runs while the backward pass is traced) --------
 
-    def slot_exponent(self, slot):
-        """e(t) for the tensor in `slot`, or None if no gradient reaches it."""
-        if slot in self._slot_exponents:
-            return self._slot_exponents[slot]
-        exponents = [
-            self.edge_exponent(consumer)
-            for consumer in self.plan.consumers.get(slot, ())
-        ]
-        exponent = _minimum(exponents)
-        if exponent is not None:
-            self._slot_exponents[slot] = exponent
-        return exponent
+    def slot_scale(self, slot):
+        """T(t) for the tensor in `slot`, or None if no gradient reaches it."""
+        if slot in self._slot_scales:
+            return self._slot_scales[slot]
+        scale = _minimum(
+            [self.edge_scale(c) for c in self.plan.consumers.get(slot, ())]
+        )
+        if scale is not None:
+            self._slot_scales[slot] = scale
+        return scale
 
-    def edge_exponent(self, consumer):
-        """The exponent of the gradient contribution `consumer` sends back."""
+    def edge_scale(self, consumer):
+        """The scale of the gradient contribution `consumer` sends back."""
         kind = consumer[0]
         if kind in (graph.OUTPUT, graph.LOSS):
-            return 0
+            return 1.0
         call = self.plan.calls[consumer[1]]
         if kind == graph.ENTER:
-            return self.slot_exponent(call.outputs[consumer[2]])
+            return self.slot_scale(call.outputs[consumer[2]])
         if call.point is not None:
-            return self._point_exponents.get(call.index)
-        return self.call_exponent(call)
+            return self._point_scales.get(call.index)
+        return self.call_scale(call)
 
-    def call_exponent(self, call):
-        """e_out of `call`: the minimum over its float outputs."""
-        if call.index in self._call_exponents:
-            return self._call_exponents[call.index]
-        exponent = _minimum(
+    def call_scale(self, call):
+        """T_out of `call`: the minimum over its float outputs."""
+        if call.index in self._call_scales:
+            return self._call_scales[call.index]
+        scale = _minimum(
             [
-                self.slot_exponent(slot)
+                self.slot_scale(slot)
                 for slot in call.outputs
                 if slot in self.plan.float_slots
             ]
         )
-        if exponent is not None:
-            self._call_exponents[call.index] = exponent
-        return exponent
+        if scale is not None:
+            self._call_scales[call.index] = scale
+        return scale
 
     def should_update(self):
         """Boolean tensor: does this step update the scales?"""
@@ -120,12 +119,12 @@ class Backward:
         @tf.custom_gradient
         def fork(x):
             def grad(*upstream):
-                exponents = [self.edge_exponent(c) for c in consumers]
-                common = self.slot_exponent(slot)
+                scales = [self.edge_scale(c) for c in consumers]
+                common = self.slot_scale(slot)
                 parts = [
-                    _rescale(dy, _subtract(common, e))
-                    for dy, e in zip(upstream, exponents)
-                    if e is not None and dy is not None
+                    _rescale(dy, common, t)
+                    for dy, t in zip(upstream, scales)
+                    if t is not None and dy is not None
                 ]
                 if not parts:
                     return tf.zeros_like(x)
@@ -142,7 +141,7 @@ class Backward:
 
     def align(self, call, outputs):
         """Identity on a weightless call's float outputs. Backward: rescales
-        each output's gradient to the call's common (minimum) exponent, so
+        each output's gradient to the call's common (minimum) scale, so
         the call's own backward sums consistently scaled contributions."""
         floats = [
             i
@@ -155,13 +154,11 @@ class Backward:
         @tf.custom_gradient
         def align(*xs):
             def grad(*upstream):
-                common = self.call_exponent(call)
+                common = self.call_scale(call)
                 result = []
                 for i, dy in zip(floats, upstream):
-                    e = self.slot_exponent(call.outputs[i])
-                    result.append(
-                        dy if e is None else _rescale(dy, _subtract(common, e))
-                    )
+                    t = self.slot_scale(call.outputs[i])
+                    result.append(dy if t is None else _rescale(dy, common, t))
                 return result
 
             return [tf.identity(x) for x in xs], grad
@@ -217,17 +214,17 @@ class Backward:
                 variables = list(variables or [])
                 upstream = list(upstream)
                 out_slots = [call.outputs[i] for i in floats]
-                exponents = [self.slot_exponent(s) for s in out_slots]
-                common = self.call_exponent(call)
+                scales = [self.slot_scale(s) for s in out_slots]
+                common = self.call_scale(call)
                 if common is None:
-                    common = 0
+                    common = 1.0
                 upstream = [
-                    dy if e is None else _rescale(dy, _subtract(common, e))
-                    for dy, e in zip(upstream, exponents)
+                    dy if t is None else _rescale(_dense(dy), common, t)
+                    for dy, t in zip(upstream, scales)
                 ]
                 scale = self._scale(state, upstream, common)
-                exponent_in = _add(common, _pow2.floor_log2(scale))
-                self._point_exponents[call.index] = exponent_in
+                scale_in = scale * common
+                self._point_scales[call.index] = scale_in
                 scaled_upstream = [
                     dy * tf.cast(scale, dy.dtype) for dy in upstream
                 ]
@@ -235,7 +232,7 @@ class Backward:
                     ys, list(xs) + variables, output_gradients=scaled_upstream
                 )
                 input_grads = grads[: len(xs)]
-                unscale = _pow2.pow2(-exponent_in)
+                unscale = tf.math.reciprocal(scale_in)
                 variable_grads = [
                     _unscale(g, unscale) for g in grads[len(xs) :]
                 ]
@@ -254,56 +251,55 @@ class Backward:
             outputs[i] = y
         return outputs
 
-    def _scale(self, state, upstream, exponent_out):
+    def _scale(self, state, upstream, scale_out):
         """The scale to apply now: the stored one, or on update steps a new
-        one chosen from the incoming gradient (and recorded)."""
+        one chosen from the incoming gradient. Writes the point's state."""
         current = tf.convert_to_tensor(state.scale)
-        if self.controller is None:
-            return current
         controller = self.controller
+        if controller is None:
+            return current
+        update = self.should_update()
+        statistics = policy.measure_if(
+            update, upstream, controller.underflow_rate
+        )
+        statistics = _across_replicas(update, statistics)
+        scale = policy.choose_scale_if(
+            update,
+            statistics,
+            current,
+            tf.constant(controller.max_layer_scale, tf.float32),
+            tf.constant(controller.overflow_margin, tf.float32),
+        )
+        record = state_module.record_vector(scale * scale_out, statistics)
+        step = tf.cast(
+            tf.convert_to_tensor(controller.iterations), tf.int64
+        )
+        assigns = [
+            state.scale.assign(scale),
+            state.record.assign(
+                tf.where(update, record, tf.convert_to_tensor(state.record))
+            ),
+            state.last_update.assign(
+                tf.where(update, step, tf.convert_to_tensor(state.last_update))
+            ),
+        ]
+        with tf.control_dependencies(assigns):
+            return tf.identity(scale)
 
-        def update():
-            statistics = policy.gradient_statistics(
-                upstream, controller.underflow_rate
-            )
-            statistics = _across_replicas(statistics)
-            scale = policy.choose_scale(
-                statistics,
-                current,
-                controller.max_layer_scale,
-                controller.overflow_margin,
-            )
-            exponent_in = _add(exponent_out, _pow2.floor_log2(scale))
-            assigns = state.record(
-                scale,
-                _pow2.pow2(exponent_in),
-                statistics,
-                tf.convert_to_tensor(controller.iterations),
-            )
-            with tf.control_dependencies(assigns):
-                return tf.identity(scale)
 
-        return tf.cond(self.should_update(), update, lambda: tf.identity(current))
-
-
-def _across_replicas(statistics):
-    """Replicas must agree on every scale: take the max of percentile and
-    amax and the mean of the fractions over all replicas."""
+def _across_replicas(update, statistics):
+    """Replicas must agree on every scale: on update steps, take the max of
+    percentile and amax and the mean of the fractions over all replicas."""
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
         return statistics
-    percentile, amax = context.all_reduce(
-        tf.distribute.ReduceOp.MAX, [statistics.percentile, statistics.amax]
-    )
-    fractions = context.all_reduce(
-        tf.distribute.ReduceOp.MEAN,
-        [
-            statistics.zero_fraction,
-            statistics.subnormal_fraction,
-            statistics.near_max_fraction,
-        ],
-    )
-    return policy.GradientStatistics(percentile, amax, *fractions)
+
+    def reduce():
+        maxima = context.all_reduce(tf.distribute.ReduceOp.MAX, statistics[:2])
+        means = context.all_reduce(tf.distribute.ReduceOp.MEAN, statistics[2:])
+        return tf.concat([maxima, means], 0)
+
+    return tf.cond(update, reduce, lambda: statistics)
 
 
 def _is_float_tensor(x):
@@ -325,42 +321,33 @@ def _float_tensors(flat):
     return positions, tensors
 
 
-def _minimum(exponents):
-    present = [e for e in exponents if e is not None]
+def _minimum(scales):
+    present = [t for t in scales if t is not None]
     if not present:
         return None
-    if all(isinstance(e, int) for e in present):
+    if all(isinstance(t, float) for t in present):
         return min(present)
     result = present[0]
-    for e in present[1:]:
-        result = tf.minimum(result, e)
+    for t in present[1:]:
+        result = tf.minimum(result, t)
     return result
 
 
-def _add(a, b):
-    if isinstance(a, int) and isinstance(b, int):
-        return a + b
-    return tf.add(a, b)
-
-
-def _subtract(a, b):
-    if isinstance(a, int) and isinstance(b, int):
-        return a - b
-    return tf.subtract(a, b)
-
-
-def _rescale(gradient, exponent):
-    """gradient * 2**exponent, exact, computed in float32 (a factor below
-    float16's range must not round to zero before it is applied)."""
-    if isinstance(exponent, int) and exponent == 0:
-        return gradient
-    factor = _pow2.pow2(exponent)
+def _rescale(gradient, target, current):
+    """A gradient carrying scale `current` brought to scale `target`
+    (<= current): times target/current, a power of two, so exact; computed
+    in float32, since a factor below float16's range must not round to zero
+    before it is applied."""
+    if isinstance(target, float) and isinstance(current, float):
+        if target == current:
+            return gradient
     if isinstance(gradient, tf.IndexedSlices):
         return tf.IndexedSlices(
-            _rescale(gradient.values, exponent),
+            _rescale(gradient.values, target, current),
             gradient.indices,
             gradient.dense_shape,
         )
+    factor = tf.cast(target, tf.float32) / tf.cast(current, tf.float32)
     if gradient.dtype == tf.float32:
         return gradient * factor
     return tf.cast(tf.cast(gradient, tf.float32) * factor, gradient.dtype)

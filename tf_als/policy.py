@@ -20,7 +20,6 @@ cannot see it, and the margin below float16's maximum is what keeps that
 backward pass (and the layers above it) from overflowing.
 """
 
-import math
 from typing import NamedTuple
 
 import tensorflow as tf
@@ -67,8 +66,8 @@ def gradient_statistics(gradients, underflow_rate):
     Args:
         gradients: a tensor or a list of tensors of any float dtype; their
             elements are pooled.
-        underflow_rate: float in [0, 1). Which quantile of the nonzero
-            magnitudes to report as `percentile`.
+        underflow_rate: float in [0, 1) (or a scalar tensor). Which quantile
+            of the nonzero magnitudes to report as `percentile`.
 
     Returns:
         A `GradientStatistics`.
@@ -82,10 +81,16 @@ def gradient_statistics(gradients, underflow_rate):
     """
     if not isinstance(gradients, (list, tuple)):
         gradients = [gradients]
-    magnitudes = tf.concat(
-        [tf.reshape(tf.abs(tf.cast(g, tf.float32)), [-1]) for g in gradients],
-        axis=0,
+    magnitudes = [tf.reshape(tf.abs(tf.cast(g, tf.float32)), [-1]) for g in gradients]
+    magnitudes = magnitudes[0] if len(magnitudes) == 1 else tf.concat(magnitudes, 0)
+    return GradientStatistics(
+        *_statistics_of_magnitudes(
+            magnitudes, tf.constant(underflow_rate, tf.float64)
+        )
     )
+
+
+def _statistics_of_magnitudes(magnitudes, underflow_rate):
     size = tf.cast(tf.size(magnitudes), tf.float32)
     is_zero = tf.equal(magnitudes, 0.0)
     zeros = tf.reduce_sum(tf.cast(is_zero, tf.float32))
@@ -108,7 +113,7 @@ def gradient_statistics(gradients, underflow_rate):
             tf.float32,
         )
     )
-    # Propagates NaN (tf.reduce_max would drop it on some kernels).
+    # Adding sum(m * 0) propagates NaN, which a max reduction may drop.
     amax = tf.reduce_max(magnitudes) + tf.reduce_sum(magnitudes * 0.0)
 
     # Percentile of the nonzero magnitudes without a dynamically sized
@@ -119,19 +124,13 @@ def gradient_statistics(gradients, underflow_rate):
     masked = tf.where(is_zero, tf.constant(float("inf")), magnitudes)
     size64 = tf.cast(size, tf.float64)
     nonzero64 = tf.cast(nonzero, tf.float64)
-    index = float(underflow_rate) * tf.maximum(nonzero64 - 1.0, 0.0) + 1e-6
+    index = underflow_rate * tf.maximum(nonzero64 - 1.0, 0.0) + 1e-6
     q = tf.minimum(100.0 * index / tf.maximum(size64 - 1.0, 1.0), 100.0)
     percentile = tfp.stats.percentile(masked, q, interpolation="lower")
     percentile = tf.where(nonzero > 0, percentile, 0.0)
 
     size = tf.maximum(size, 1.0)
-    return GradientStatistics(
-        percentile=percentile,
-        amax=amax,
-        zero_fraction=zeros / size,
-        subnormal_fraction=subnormal / size,
-        near_max_fraction=near_max / size,
-    )
+    return percentile, amax, zeros / size, subnormal / size, near_max / size
 
 
 def choose_scale(statistics, current_scale, max_layer_scale, overflow_margin):
@@ -141,9 +140,11 @@ def choose_scale(statistics, current_scale, max_layer_scale, overflow_margin):
         statistics: `GradientStatistics` of the incoming gradient.
         current_scale: float32 scalar, the scale in use; kept when the
             gradient is all zero or not finite.
-        max_layer_scale: float, a power of two in [1, 2**15]; the ceiling.
-        overflow_margin: float, a power of two >= 1; the headroom kept
-            between the scaled gradient's amax and float16's maximum.
+        max_layer_scale: float (or float32 scalar tensor), a power of two in
+            [1, 2**15]; the ceiling.
+        overflow_margin: float (or float32 scalar tensor), a power of two
+            >= 1; the headroom kept between the scaled gradient's amax and
+            float16's maximum.
 
     Example (amax 2**-10, margin 2**12: the cap is 2**(15 + 10 - 12)):
 
@@ -151,10 +152,9 @@ def choose_scale(statistics, current_scale, max_layer_scale, overflow_margin):
     >>> float(choose_scale(stats, 1.0, 2.0**15, 2.0**12))
     8192.0
     """
-    amax = statistics.amax
-    max_exponent = int(round(_log2_exact(max_layer_scale, "max_layer_scale")))
-    margin = tf.constant(float(overflow_margin), tf.float32)
-    _log2_exact(overflow_margin, "overflow_margin")
+    amax = tf.cast(statistics.amax, tf.float32)
+    max_exponent = _pow2.floor_log2(tf.cast(max_layer_scale, tf.float32))
+    margin = tf.cast(overflow_margin, tf.float32)
     # amax * margin >= 2**-126 keeps floor_log2 exact (a float32 gradient can
     # be smaller than any float16); such a gradient gets the ceiling anyway.
     reach = tf.maximum(amax * margin, 2.0**-126)
@@ -178,16 +178,72 @@ def lifts_percentile(statistics, scale):
     )
 
 
-def _log2_exact(value, name):
-    """log2 of a positive power of two given as a Python number."""
-    if not isinstance(value, (int, float)) or value <= 0:
-        raise ValueError(
-            f"`{name}` must be a positive power of two; received {value!r}."
+# The two steps of an update, gated by `update`, as functions traced once
+# per process and kept out of line: a model with a hundred scaling points
+# then holds one copy of their ops instead of a hundred, which is what keeps
+# tracing and graph optimisation time close to the uninstrumented model's.
+
+
+def measure_if(update, gradients, underflow_rate):
+    """`GradientStatistics` of `gradients` (1-D float tensors, pooled) as a
+    float32 vector of 5 when `update`, else zeros: nothing is computed on
+    the other steps.
+
+    Calls one out-of-line function per combination of gradient dtypes.
+    """
+    gradients = [tf.reshape(g, [-1]) for g in gradients]
+    key = tuple(g.dtype for g in gradients)
+    function = _MEASURE_FUNCTIONS.get(key)
+    if function is None:
+        function = _measure_if.get_concrete_function(
+            tf.TensorSpec([], tf.bool),
+            [tf.TensorSpec([None], dtype) for dtype in key],
+            tf.TensorSpec([], tf.float64),
         )
-    exponent = math.log2(value)
-    if exponent != int(exponent):
-        raise ValueError(
-            f"`{name}` must be a power of two (for example {2 ** round(exponent)}); "
-            f"received {value!r}."
-        )
-    return exponent
+        _MEASURE_FUNCTIONS[key] = function
+    return function(
+        update, gradients, tf.constant(underflow_rate, tf.float64)
+    )
+
+
+_MEASURE_FUNCTIONS = {}
+
+
+@tf.function(autograph=False, experimental_attributes={"_noinline": True})
+def _measure_if(update, gradients, underflow_rate):
+    def measure():
+        magnitudes = [tf.abs(tf.cast(g, tf.float32)) for g in gradients]
+        if len(magnitudes) > 1:
+            magnitudes = [tf.concat(magnitudes, 0)]
+        return tf.stack(_statistics_of_magnitudes(magnitudes[0], underflow_rate))
+
+    return tf.cond(
+        update,
+        measure,
+        lambda: tf.zeros([len(GradientStatistics._fields)], tf.float32),
+    )
+
+
+@tf.function(
+    input_signature=[
+        tf.TensorSpec([], tf.bool),
+        tf.TensorSpec([len(GradientStatistics._fields)], tf.float32),
+        tf.TensorSpec([], tf.float32),
+        tf.TensorSpec([], tf.float32),
+        tf.TensorSpec([], tf.float32),
+    ],
+    autograph=False,
+    experimental_attributes={"_noinline": True},
+)
+def choose_scale_if(
+    update, statistics, current_scale, max_layer_scale, overflow_margin
+):
+    """`choose_scale` on a statistics vector when `update`, else
+    `current_scale`."""
+    chosen = choose_scale(
+        GradientStatistics(*tf.unstack(statistics)),
+        current_scale,
+        max_layer_scale,
+        overflow_margin,
+    )
+    return tf.where(update, chosen, current_scale)
