@@ -52,6 +52,7 @@ class Backward:
         self._point_scales = {}  # call index -> T_in of a scaling point
         self._call_scales = {}  # call index -> T_out
         self._should_update = None
+        self._backoff = None
 
     @property
     def controller(self):
@@ -107,6 +108,18 @@ class Backward:
             interval = tf.constant(self.controller.update_interval, iterations.dtype)
             self._should_update = tf.equal(tf.math.floormod(iterations, interval), 0)
         return self._should_update
+
+    def backoff(self):
+        """max(1, initial global scale / current global scale)."""
+        if self._backoff is None:
+            controller = self.controller
+            initial = tf.constant(controller.initial_scale, tf.float32)
+            if controller.built:
+                current = tf.convert_to_tensor(controller.dynamic_scale)
+                self._backoff = tf.maximum(1.0, initial / current)
+            else:
+                self._backoff = tf.constant(1.0)
+        return self._backoff
 
     # -- the three custom-gradient identities ------------------------------
 
@@ -269,6 +282,7 @@ class Backward:
             current,
             tf.constant(controller.max_layer_scale, tf.float32),
             tf.constant(controller.overflow_margin, tf.float32),
+            self.backoff(),
         )
         record = state_module.record_vector(scale * scale_out, statistics)
         step = tf.cast(

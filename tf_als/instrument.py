@@ -88,9 +88,6 @@ class InstrumentedModel(keras.Model):
     Its state is one `tf_als.state.ScalingPoint` per scaling point
     (`scaling_points`), saved with the model and in checkpoints.
 
-    When called with `training=False` (`predict`, `evaluate`) it simply calls
-    the original model.
-
     Args:
         model: the built Sequential or Functional model to instrument.
         **kwargs: `keras.Model` arguments (`name`, ...).
@@ -127,8 +124,6 @@ class InstrumentedModel(keras.Model):
         return self._plan
 
     def call(self, inputs, training=None, mask=None):
-        if training is False:
-            return self.model(inputs, training=False, mask=mask)
         self._check_unchanged()
         return _run(
             self._plan,

@@ -8,11 +8,18 @@ The rule, for the gradient `g` that arrives at a scaling point (already
 carrying the global scale S and the downstream per-layer scales):
 
     q     = underflow_rate-quantile of the nonzero |g|    (tfp.stats.percentile)
-    amax  = max |g|
+    amax  = max |g| * max(1, S_initial / S)
     k_cap = largest k with  amax * 2**k * overflow_margin <= FLOAT16_MAX
     s     = 2 ** clip(k_cap, 0, log2(max_layer_scale))
     s     = previous s   if g is all zero or not finite
     underflow reported   if q * s < FLOAT16_MIN_NORMAL
+
+amax is judged as if the global scale S had not backed off below its initial
+value. Otherwise a per-layer scale would undo every back-off (a lower S
+lowers amax, so the lift rises to match): a gradient that grows past float16's
+range further upstream, where no per-layer scale can lower it, would then
+overflow at every S, and S would slide to zero. With the back-off factor,
+halving S halves the gradients everywhere, as with Keras's loss scaling.
 
 The scale aims as high as safety allows rather than at the smallest scale that
 lifts q: underflow also happens inside a layer's own backward pass, where q
@@ -133,7 +140,9 @@ def _statistics_of_magnitudes(magnitudes, underflow_rate):
     return percentile, amax, zeros / size, subnormal / size, near_max / size
 
 
-def choose_scale(statistics, current_scale, max_layer_scale, overflow_margin):
+def choose_scale(
+    statistics, current_scale, max_layer_scale, overflow_margin, backoff=1.0
+):
     """Returns the new per-layer scale (float32, a power of two).
 
     Args:
@@ -145,6 +154,11 @@ def choose_scale(statistics, current_scale, max_layer_scale, overflow_margin):
         overflow_margin: float (or float32 scalar tensor), a power of two
             >= 1; the headroom kept between the scaled gradient's amax and
             float16's maximum.
+        backoff: float32 scalar >= 1, how far the global loss scale has
+            backed off below its initial value (initial / current, or 1).
+            amax is judged as if that back-off had not happened, so that a
+            per-layer scale never undoes it: when gradients overflow
+            somewhere, halving the global scale halves them everywhere.
 
     Example (amax 2**-10, margin 2**12: the cap is 2**(15 + 10 - 12)):
 
@@ -152,7 +166,7 @@ def choose_scale(statistics, current_scale, max_layer_scale, overflow_margin):
     >>> float(choose_scale(stats, 1.0, 2.0**15, 2.0**12))
     8192.0
     """
-    amax = tf.cast(statistics.amax, tf.float32)
+    amax = tf.cast(statistics.amax, tf.float32) * tf.cast(backoff, tf.float32)
     max_exponent = _pow2.floor_log2(tf.cast(max_layer_scale, tf.float32))
     margin = tf.cast(overflow_margin, tf.float32)
     # amax * margin >= 2**-126 keeps floor_log2 exact (a float32 gradient can
@@ -231,12 +245,13 @@ def _measure_if(update, gradients, underflow_rate):
         tf.TensorSpec([], tf.float32),
         tf.TensorSpec([], tf.float32),
         tf.TensorSpec([], tf.float32),
+        tf.TensorSpec([], tf.float32),
     ],
     autograph=False,
     experimental_attributes={"_noinline": True},
 )
 def choose_scale_if(
-    update, statistics, current_scale, max_layer_scale, overflow_margin
+    update, statistics, current_scale, max_layer_scale, overflow_margin, backoff
 ):
     """`choose_scale` on a statistics vector when `update`, else
     `current_scale`."""
@@ -245,5 +260,6 @@ def choose_scale_if(
         current_scale,
         max_layer_scale,
         overflow_margin,
+        backoff,
     )
     return tf.where(update, chosen, current_scale)

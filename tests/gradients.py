@@ -1,0 +1,88 @@
+"""Capturing the gradients an inner optimizer receives, and comparing them
+with float32 gradients."""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+
+class GradientRecorder(keras.optimizers.SGD):
+    """SGD with learning rate 0 that keeps, in variables, the last gradient
+    it received for each variable (densified) and its dtype. Variables made
+    in `build()` so it works eagerly, in `tf.function` and under XLA."""
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault("learning_rate", 0.0)
+        super().__init__(**kwargs)
+        self.received_dtypes = {}
+
+    def build(self, variables):
+        super().build(variables)
+        self.captured = [
+            self.add_variable_from_reference(v, name="captured")
+            for v in variables
+        ]
+
+    def update_step(self, gradient, variable, learning_rate):
+        self.received_dtypes[variable.name] = gradient.dtype.name
+        dense = tf.convert_to_tensor(gradient)
+        self.assign(self.captured[self._get_variable_index(variable)], dense)
+        super().update_step(gradient, variable, learning_rate)
+
+    def gradients(self):
+        return [keras.ops.convert_to_numpy(v) for v in self.captured]
+
+
+def applied_gradients(
+    model, optimizer, x, y, loss, mode="function", max_steps=40, training=True
+):
+    """Steps `model` on one batch until the inner `GradientRecorder` has
+    applied one step (non-finite steps are skipped by the loss scale
+    optimizer and retried at half the scale), with learning rate 0.
+
+    Returns `(gradients, steps)`: the captured numpy gradients in
+    `model.trainable_variables` order and how many steps it took.
+    """
+    variables = model.trainable_variables
+    optimizer.build(variables)
+
+    def step():
+        with tf.GradientTape() as tape:
+            prediction = model(x, training=training)
+            value = loss(y, prediction)
+            scaled = optimizer.scale_loss(value)
+        grads = tape.gradient(scaled, variables)
+        optimizer.apply(grads, variables)
+
+    if mode == "function":
+        step = tf.function(step)
+    elif mode == "xla":
+        step = tf.function(step, jit_compile=True)
+    elif mode != "eager":
+        raise ValueError(f"unknown mode {mode!r}")
+    for steps in range(1, max_steps + 1):
+        step()
+        if int(keras.ops.convert_to_numpy(optimizer.iterations)) == 1:
+            return optimizer.inner_optimizer.gradients(), steps
+    raise AssertionError(f"no finite step in {max_steps} steps")
+
+
+def float32_gradients(model, x, y, loss, training=True):
+    with tf.GradientTape() as tape:
+        value = loss(y, model(x, training=training))
+    grads = tape.gradient(value, model.trainable_variables)
+    return [keras.ops.convert_to_numpy(tf.convert_to_tensor(g)) for g in grads]
+
+
+def compare(gradient, reference):
+    """Norm ratio, cosine similarity and relative error of one gradient
+    against its float32 reference (float64 arithmetic)."""
+    g = np.asarray(gradient, np.float64).ravel()
+    r = np.asarray(reference, np.float64).ravel()
+    norm_g, norm_r = np.linalg.norm(g), np.linalg.norm(r)
+    cosine = float(g @ r / (norm_g * norm_r)) if norm_g and norm_r else float("nan")
+    return {
+        "norm_ratio": float(norm_g / norm_r) if norm_r else float("nan"),
+        "cosine": cosine,
+        "relative_error": float(np.linalg.norm(g - r) / norm_r) if norm_r else float("nan"),
+    }
