@@ -125,12 +125,13 @@ class InstrumentedModel(keras.Model):
 
     def call(self, inputs, training=None, mask=None):
         self._check_unchanged()
+        since = link.serial()
         return _run(
             self._plan,
             self.scaling_points,
             inputs,
             training,
-            lambda: link.controller(self),
+            lambda: link.controller(self, since),
         )
 
     def compile(self, optimizer="rmsprop", *args, **kwargs):

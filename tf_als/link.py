@@ -5,18 +5,26 @@ and knobs. `model.compile(optimizer=...)` links the two directly. A custom
 training loop has no compile step, so `AdaptiveLossScaleOptimizer.scale_loss`,
 which every loop calls before taking gradients, announces itself here, and the
 first backward pass of an unlinked instrumented model links to the optimizer
-announced last. A link is for good: an optimizer serves one model.
+announced since its forward pass began. A link is for good: an optimizer
+serves one model. Without a link, scales stay as they are.
 """
 
+import itertools
 import weakref
 
-_announced = None
+_serials = itertools.count(1)
+_announced = (0, None)  # (serial, weakref to the optimizer)
 
 
 def announce(optimizer):
     """Records `optimizer` as the one whose `scale_loss` ran last."""
     global _announced
-    _announced = weakref.ref(optimizer)
+    _announced = (next(_serials), weakref.ref(optimizer))
+
+
+def serial():
+    """The serial number of the latest announcement (0: none yet)."""
+    return _announced[0]
 
 
 def bind(model, optimizer):
@@ -38,15 +46,18 @@ def bind(model, optimizer):
     model._tf_als_optimizer = weakref.ref(optimizer)
 
 
-def controller(model):
-    """The optimizer linked to `model`, linking to the announced one if the
-    model has none yet; `None` when there is neither."""
+def controller(model, since):
+    """The optimizer linked to `model`. A model without one links to the
+    optimizer announced after serial `since` (taken when its forward pass
+    began, so that an announcement left over from another model's step is
+    never taken); `None` when there is neither."""
     linked = getattr(model, "_tf_als_optimizer", None)
     linked = linked() if linked is not None else None
     if linked is not None:
         return linked
-    announced = _announced() if _announced is not None else None
-    if announced is None:
+    number, reference = _announced
+    announced = reference() if reference is not None else None
+    if announced is None or number <= since:
         return None
     bind(model, announced)
     return announced
