@@ -4,6 +4,7 @@ a layer with weights, and `scales(model)` to read them."""
 import re
 
 import keras
+from keras.src import backend as keras_backend
 from keras.src import tree
 from keras.src.models.functional import operation_fn
 
@@ -124,13 +125,13 @@ class InstrumentedModel(keras.Model):
         return self._plan
 
     def call(self, inputs, training=None, mask=None):
-        self._check_unchanged()
         since = link.serial()
         return _run(
             self._plan,
             self.scaling_points,
             inputs,
             training,
+            mask,
             lambda: link.controller(self, since),
         )
 
@@ -164,20 +165,10 @@ class InstrumentedModel(keras.Model):
         )
         return cls(model, **config)
 
-    def _check_unchanged(self):
-        for call in self._plan.calls:
-            if call.kind == graph.LAYER and call.point is None:
-                if getattr(call.operation, "weights", None):
-                    raise ValueError(
-                        f"Layer {call.operation.name!r} gained weights after "
-                        "tf_als.instrument() read the model, so its weight "
-                        "gradients would not be unscaled. Instrument the model "
-                        "again after building every layer."
-                    )
 
-
-def _run(plan, points, inputs, training, find_controller):
-    """Runs `plan` on `inputs` with scaling points, forks and alignments."""
+def _run(plan, points, inputs, training, mask, find_controller):
+    """Runs `plan` on `inputs` with scaling points, forks and alignments,
+    exactly as `Functional.call` runs the original graph."""
     back = backward.Backward(plan, points, find_controller)
     top = graph.functional_of(plan.model)
     values, edges = {}, {}
@@ -194,7 +185,12 @@ def _run(plan, points, inputs, training, find_controller):
     def value(slot, consumer):
         return edges.get((slot, consumer), values[slot])
 
-    for slot, x in zip(plan.input_slots, top._standardize_inputs(inputs)):
+    flat_inputs = top._standardize_inputs(inputs)
+    if mask is not None:
+        for x, m in zip(flat_inputs, tree.flatten(mask)):
+            if m is not None:
+                keras_backend.set_keras_mask(x, m)
+    for slot, x in zip(plan.input_slots, flat_inputs):
         bind(slot, x)
 
     for call in plan.calls:

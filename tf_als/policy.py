@@ -52,7 +52,8 @@ class GradientStatistics(NamedTuple):
         percentile: the `underflow_rate` quantile of the nonzero magnitudes
             (lower interpolation), or 0 when every element is zero.
         amax: the largest magnitude (inf if any element is inf, NaN if any
-            is NaN).
+            is NaN). Float32 subnormals (below 2**-126) read as zero on
+            TensorFlow's CPU kernels, so such a gradient counts as all zero.
         zero_fraction: fraction of elements that are exactly zero.
         subnormal_fraction: fraction of elements that are nonzero and below
             float16's smallest normal, 2**-14.
@@ -83,17 +84,15 @@ def gradient_statistics(gradients, underflow_rate):
 
     >>> g = tf.constant([0.0, 1.0, 2.0, 3.0, 4.0], tf.float16)
     >>> s = gradient_statistics(g, underflow_rate=0.5)
-    >>> float(s.percentile), float(s.amax), float(s.zero_fraction)
-    (2.0, 4.0, 0.2)
+    >>> float(s.percentile), float(s.amax), float(s.zero_fraction) * 5
+    (2.0, 4.0, 1.0)
     """
     if not isinstance(gradients, (list, tuple)):
         gradients = [gradients]
     magnitudes = [tf.reshape(tf.abs(tf.cast(g, tf.float32)), [-1]) for g in gradients]
     magnitudes = magnitudes[0] if len(magnitudes) == 1 else tf.concat(magnitudes, 0)
     return GradientStatistics(
-        *_statistics_of_magnitudes(
-            magnitudes, tf.constant(underflow_rate, tf.float64)
-        )
+        *_statistics_of_magnitudes(magnitudes, _as_float64(underflow_rate))
     )
 
 
@@ -120,19 +119,28 @@ def _statistics_of_magnitudes(magnitudes, underflow_rate):
             tf.float32,
         )
     )
-    # Adding sum(m * 0) propagates NaN, which a max reduction may drop.
-    amax = tf.reduce_max(magnitudes) + tf.reduce_sum(magnitudes * 0.0)
+    # A max reduction may drop NaN; keep it (inf stays inf).
+    amax = tf.where(
+        tf.reduce_any(tf.math.is_nan(magnitudes)),
+        tf.constant(float("nan")),
+        tf.reduce_max(magnitudes),
+    )
 
     # Percentile of the nonzero magnitudes without a dynamically sized
     # boolean mask (which XLA cannot compile): zeros become +inf and sort
-    # last, and the percentile is rescaled so that its index,
-    # floor(q/100 * (size-1)), lands on floor(rate * (nonzero-1)). The 1e-6
-    # guards against float64 rounding just below an exact integer index.
+    # last. The wanted index among the nonzero values, floor(rate *
+    # (nonzero-1)), is computed first (the relative 2**-40 absorbs float64's
+    # rounding of a decimal rate, 0.29 * 100 = 28.999999999999996, and moves
+    # no index that is genuinely below an integer by more than that); the
+    # percentile handed to tfp.stats.percentile points half an element past
+    # it, so the index tfp computes, floor(q/100 * (size-1)), is that one.
     masked = tf.where(is_zero, tf.constant(float("inf")), magnitudes)
     size64 = tf.cast(size, tf.float64)
     nonzero64 = tf.cast(nonzero, tf.float64)
-    index = underflow_rate * tf.maximum(nonzero64 - 1.0, 0.0) + 1e-6
-    q = tf.minimum(100.0 * index / tf.maximum(size64 - 1.0, 1.0), 100.0)
+    index = tf.floor(
+        underflow_rate * tf.maximum(nonzero64 - 1.0, 0.0) * (1.0 + 2.0**-40)
+    )
+    q = tf.minimum(100.0 * (index + 0.5) / tf.maximum(size64 - 1.0, 1.0), 100.0)
     percentile = tfp.stats.percentile(masked, q, interpolation="lower")
     percentile = tf.where(nonzero > 0, percentile, 0.0)
 
@@ -215,9 +223,7 @@ def measure_if(update, gradients, underflow_rate):
             tf.TensorSpec([], tf.float64),
         )
         _MEASURE_FUNCTIONS[key] = function
-    return function(
-        update, gradients, tf.constant(underflow_rate, tf.float64)
-    )
+    return function(update, gradients, _as_float64(underflow_rate))
 
 
 _MEASURE_FUNCTIONS = {}
@@ -263,3 +269,11 @@ def choose_scale_if(
         backoff,
     )
     return tf.where(update, chosen, current_scale)
+
+
+def _as_float64(value):
+    """A Python float goes to float64 directly (0.01 must not pass through
+    float32 on the way); a tensor is cast."""
+    if tf.is_tensor(value):
+        return tf.cast(value, tf.float64)
+    return tf.constant(value, tf.float64)

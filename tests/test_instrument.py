@@ -1,0 +1,235 @@
+"""`tf_als.instrument`, `tf_als.scales` and `InstrumentedModel`: what the
+plan finds, bitwise-equal forward passes, shared weights, serialisation,
+and errors for everything that cannot be instrumented."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_als
+from tests import architectures
+
+layers = keras.layers
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(c, id=c.name, marks=[pytest.mark.slow] if c.slow else [])
+        for c in architectures.CASES
+    ],
+)
+@pytest.mark.parametrize("training", [True, False])
+def test_forward_outputs_are_bitwise_equal(case, training):
+    _, model = case.build_pair()
+    instrumented = tf_als.instrument(model)
+    x, _ = case.data()
+    expected = keras.tree.flatten(model(x, training=training))
+    actual = keras.tree.flatten(instrumented(x, training=training))
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected):
+        assert a.dtype == e.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+
+
+def test_forward_is_bitwise_equal_compiled(mixed):
+    _, model = architectures.CASES[2].build_pair()  # resnet
+    instrumented = tf_als.instrument(model)
+    x, _ = architectures.CASES[2].data()
+    for jit in (False, True):
+        expected = tf.function(lambda: model(x, training=True), jit_compile=jit)()
+        actual = tf.function(
+            lambda: instrumented(x, training=True), jit_compile=jit
+        )()
+        np.testing.assert_array_equal(np.asarray(actual), np.asarray(expected))
+
+
+def test_masks_propagate_through_scaling_points(mixed):
+    """Embedding(mask_zero=True) -> LSTM: the mask must reach the LSTM
+    through the scaling point's custom gradient."""
+    tokens = keras.Input((6,), dtype="int32")
+    x = layers.Embedding(20, 8, mask_zero=True)(tokens)
+    x = layers.LSTM(8)(x)
+    model = keras.Model(tokens, layers.Dense(2, dtype="float32")(x))
+    ids = np.array([[3, 4, 0, 0, 0, 0], [5, 6, 7, 8, 9, 1]], "int32")
+    instrumented = tf_als.instrument(model)
+    np.testing.assert_array_equal(
+        np.asarray(instrumented(ids, training=True)),
+        np.asarray(model(ids, training=True)),
+    )
+    # The mask changes the result, so it was not silently dropped.
+    unmasked = np.asarray(model(np.where(ids == 0, 1, ids), training=True))
+    assert not np.array_equal(unmasked, np.asarray(instrumented(ids)))
+
+
+def test_shares_layers_and_weights(mixed):
+    _, model = architectures.CASES[5].build_pair()  # shared_layer
+    instrumented = tf_als.instrument(model)
+    assert instrumented.model is model
+    assert [id(v) for v in instrumented.trainable_variables] == [
+        id(v) for v in model.trainable_variables
+    ]
+    kernel = model.trainable_variables[0]
+    kernel.assign(kernel * 2.0)
+    x, _ = architectures.CASES[5].data()
+    np.testing.assert_array_equal(
+        np.asarray(instrumented(x)), np.asarray(model(x))
+    )
+    for variable in instrumented.non_trainable_variables:
+        assert variable.dtype in ("float32", "int64")
+
+
+def test_point_names_follow_layers_and_calls(mixed):
+    _, shared = architectures.CASES[5].build_pair()
+    names = list(tf_als.scales(tf_als.instrument(shared)))
+    dense = [layer.name for layer in shared.layers if layer.name != "shared"]
+    assert names == [dense[1], "shared/call_0", "shared/call_1", dense[2]]
+
+    _, nested = architectures.CASES[6].build_pair()
+    names = list(tf_als.scales(tf_als.instrument(nested)))
+    encoder = nested.get_layer("encoder")
+    head = nested.get_layer("head")
+    expected = [f"encoder/{layer.name}" for layer in encoder.layers]
+    expected += [
+        f"head/{layer.name}" for layer in head.layers if layer.weights
+    ]
+    expected += [nested.layers[-1].name]
+    assert names == expected
+
+
+def test_weightless_layers_are_not_points(mixed):
+    inputs = keras.Input((8,))
+    x = layers.Dense(8)(inputs)
+    x = layers.Activation("relu")(x)
+    x = layers.Dropout(0.5)(x)
+    x = layers.Reshape((2, 4))(x)
+    outputs = layers.Flatten()(x)
+    model = keras.Model(inputs, outputs)
+    assert list(tf_als.scales(tf_als.instrument(model))) == [model.layers[1].name]
+
+
+def test_subclassed_model_inside_is_one_point(mixed):
+    class Block(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.first = layers.Dense(8, activation="relu")
+            self.second = layers.Dense(8)
+
+        def call(self, x):
+            return self.second(self.first(x))
+
+    inputs = keras.Input((8,))
+    block = Block()
+    outputs = layers.Dense(2, dtype="float32")(block(inputs))
+    model = keras.Model(inputs, outputs)
+    instrumented = tf_als.instrument(model)
+    assert list(tf_als.scales(instrumented))[0] == block.name
+    x = np.ones((4, 8), "float32")
+    np.testing.assert_array_equal(np.asarray(instrumented(x)), np.asarray(model(x)))
+
+
+def test_config_round_trip(mixed):
+    _, model = architectures.CASES[5].build_pair()
+    instrumented = tf_als.instrument(model)
+    config = instrumented.get_config()
+    assert set(config) == {"name", "trainable", "model"}
+    clone = tf_als.InstrumentedModel.from_config(config)
+    assert list(tf_als.scales(clone)) == list(tf_als.scales(instrumented))
+    assert clone.name == instrumented.name
+
+
+def test_save_and_load_keeps_scales_and_sharing(mixed, tmp_path):
+    _, model = architectures.CASES[5].build_pair()
+    instrumented = tf_als.instrument(model)
+    for i, point in enumerate(instrumented.scaling_points):
+        point.scale.assign(2.0**i)
+    path = str(tmp_path / "model.keras")
+    instrumented.save(path)
+    loaded = keras.models.load_model(path)
+    assert isinstance(loaded, tf_als.InstrumentedModel)
+    assert tf_als.scales(loaded) == tf_als.scales(instrumented)
+    shared = [
+        layer for layer in loaded.model.layers if layer.name == "shared"
+    ]
+    assert len(shared) == 1 and len(shared[0]._inbound_nodes) == 2
+    x, _ = architectures.CASES[5].data()
+    np.testing.assert_array_equal(
+        np.asarray(loaded(x)), np.asarray(instrumented(x))
+    )
+
+
+# -- errors ---------------------------------------------------------------
+
+
+def test_subclassed_model_is_refused(mixed):
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = layers.Dense(2)
+
+        def call(self, x):
+            return self.dense(x)
+
+    net = Net()
+    net(np.ones((1, 3), "float32"))
+    with pytest.raises(TypeError, match="subclassed model.*Functional"):
+        tf_als.instrument(net)
+
+
+def test_instrumenting_twice_is_refused(mixed):
+    _, model = architectures.CASES[0].build_pair()
+    instrumented = tf_als.instrument(model)
+    with pytest.raises(ValueError, match="already instrumented"):
+        tf_als.instrument(instrumented)
+
+
+def test_unbuilt_sequential_is_refused(mixed):
+    model = keras.Sequential([layers.Dense(2)])
+    with pytest.raises(ValueError, match="not built yet.*build"):
+        tf_als.instrument(model)
+
+
+def test_not_a_model_is_refused():
+    with pytest.raises(TypeError, match="must be a keras.Model.*Dense"):
+        tf_als.instrument(layers.Dense(2))
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_policies_without_float16_are_refused(policy):
+    keras.mixed_precision.set_global_policy(policy)
+    model = architectures.deep_mlp()
+    with pytest.raises(ValueError, match=f"{policy}.*unnecessary.*mixed_float16"):
+        tf_als.instrument(model)
+
+
+def test_model_without_weights_is_refused(mixed):
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, layers.Activation("relu")(inputs))
+    with pytest.raises(ValueError, match="no layer with weights"):
+        tf_als.instrument(model)
+
+
+def test_activity_regularizer_on_a_weight_layer_is_refused(mixed):
+    inputs = keras.Input((4,))
+    outputs = layers.Dense(2, activity_regularizer="l2")(inputs)
+    with pytest.raises(ValueError, match="ActivityRegularization"):
+        tf_als.instrument(keras.Model(inputs, outputs))
+
+
+def test_compile_needs_an_adaptive_optimizer(mixed):
+    _, model = architectures.CASES[0].build_pair()
+    instrumented = tf_als.instrument(model)
+    with pytest.raises(TypeError, match="AdaptiveLossScaleOptimizer"):
+        instrumented.compile(optimizer="adam", loss="mse")
+    with pytest.raises(TypeError, match="AdaptiveLossScaleOptimizer"):
+        instrumented.compile(
+            optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()),
+            loss="mse",
+        )
+
+
+def test_scales_of_a_plain_model_is_an_error(mixed):
+    _, model = architectures.CASES[0].build_pair()
+    with pytest.raises(TypeError, match="tf_als.instrument"):
+        tf_als.scales(model)

@@ -1,0 +1,401 @@
+"""Tests of `tf_als.AdaptiveLossScaleOptimizer` that need no instrumented
+model: it is a `keras.optimizers.LossScaleOptimizer` with four more knobs,
+validated arguments, a config that extends the parent's, and, on a model
+that was not instrumented, exactly the parent's behaviour (bitwise).
+"""
+
+import copy
+import json
+import re
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_als
+
+ALS = tf_als.AdaptiveLossScaleOptimizer
+LSO = keras.optimizers.LossScaleOptimizer
+
+
+NEW_DEFAULTS = dict(
+    update_interval=100,
+    underflow_rate=0.01,
+    max_layer_scale=2.0**15,
+    overflow_margin=2.0**12,
+)
+
+
+# --------------------------------------------------------------------------
+# Class, defaults
+# --------------------------------------------------------------------------
+
+
+def test_is_a_keras_loss_scale_optimizer():
+    assert issubclass(ALS, LSO)
+    optimizer = ALS(keras.optimizers.SGD())
+    assert isinstance(optimizer, LSO)
+    assert isinstance(optimizer, keras.optimizers.Optimizer)
+
+
+def test_defaults():
+    inner = keras.optimizers.SGD()
+    optimizer = ALS(inner)
+    for name, value in NEW_DEFAULTS.items():
+        assert getattr(optimizer, name) == value, name
+        assert type(getattr(optimizer, name)) is type(value), name
+    # The parent's defaults, read from the parent itself.
+    parent = LSO(keras.optimizers.SGD())
+    assert optimizer.initial_scale == parent.initial_scale == 2.0**15
+    assert optimizer.dynamic_growth_steps == parent.dynamic_growth_steps == 2000
+    assert optimizer.inner_optimizer is inner
+
+
+def test_disables_the_inner_loss_scale_factor():
+    # As the parent: the inner optimizer must not scale again.
+    inner = keras.optimizers.SGD(loss_scale_factor=4.0)
+    ALS(inner)
+    assert inner.loss_scale_factor is None
+
+
+def test_knobs_are_stored():
+    optimizer = ALS(
+        keras.optimizers.Adam(),
+        initial_scale=2.0**10,
+        dynamic_growth_steps=7,
+        update_interval=3,
+        underflow_rate=0.05,
+        max_layer_scale=2**10,
+        overflow_margin=1,
+        name="als",
+    )
+    assert optimizer.initial_scale == 2.0**10
+    assert optimizer.dynamic_growth_steps == 7
+    assert optimizer.update_interval == 3
+    assert optimizer.underflow_rate == 0.05
+    assert optimizer.max_layer_scale == 2.0**10
+    assert optimizer.overflow_margin == 1.0
+    assert optimizer.name == "als"
+
+
+def test_builds_the_parent_state():
+    # Variables as the parent builds them: S at initial_scale, counter 0,
+    # inner iterations 0.
+    optimizer = ALS(keras.optimizers.SGD(), initial_scale=2.0**9)
+    optimizer.build([keras.Variable(np.zeros([2], np.float32))])
+    assert float(optimizer.dynamic_scale.numpy()) == 2.0**9
+    assert int(optimizer.step_counter.numpy()) == 0
+    assert int(optimizer.iterations.numpy()) == 0
+    assert float(optimizer.scale_loss(tf.constant(3.0)).numpy()) == 3.0 * 2**9
+
+
+# --------------------------------------------------------------------------
+# Bad input: every argument, with a message naming it and the value
+# --------------------------------------------------------------------------
+
+
+def _names(argument, value):
+    """A regex matching a message that names `argument` and later shows
+    `value` (its repr) as a whole token, so that e.g. 3 does not match
+    inside 32768."""
+    return re.escape(argument) + r"[\s\S]*(?<![\w.])" + re.escape(repr(value)) + r"(?!\w)"
+
+
+@pytest.mark.parametrize(
+    "argument, value",
+    [
+        ("update_interval", 0),
+        ("update_interval", -3),
+        ("update_interval", 1.5),
+        ("update_interval", True),
+        ("update_interval", "100"),
+        ("underflow_rate", -0.1),
+        ("underflow_rate", 1.0),
+        ("underflow_rate", "x"),
+        ("underflow_rate", True),
+        ("underflow_rate", float("nan")),
+        ("max_layer_scale", 3),
+        ("max_layer_scale", 0.5),
+        ("max_layer_scale", 2**16),
+        ("max_layer_scale", 0),
+        ("max_layer_scale", float("inf")),
+        ("overflow_margin", 3),
+        ("overflow_margin", 0.25),
+        ("overflow_margin", 2**16),
+        ("initial_scale", 0),
+        ("initial_scale", -1.0),
+        ("initial_scale", float("inf")),
+        ("initial_scale", float("nan")),
+        ("dynamic_growth_steps", 0),
+        ("dynamic_growth_steps", 2.5),
+    ],
+)
+def test_rejects_bad_argument(argument, value):
+    with pytest.raises(ValueError, match=_names(argument, value)):
+        ALS(keras.optimizers.SGD(), **{argument: value})
+
+
+def test_rejects_inner_optimizer_string():
+    with pytest.raises(TypeError, match=_names("inner_optimizer", "adam")):
+        ALS("adam")
+
+
+@pytest.mark.parametrize("wrapper", [LSO, ALS], ids=["keras", "tf_als"])
+def test_rejects_inner_loss_scale_optimizer(wrapper):
+    inner = wrapper(keras.optimizers.SGD())
+    match = re.escape("inner_optimizer") + r"[\s\S]*" + wrapper.__name__
+    with pytest.raises(ValueError, match=match):
+        ALS(inner)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        # The parent refuses base optimizer arguments it would not honour...
+        (dict(clipnorm=1.0), "clipnorm"),
+        (dict(global_clipnorm=1.0), "global_clipnorm"),
+        (dict(use_ema=True), "use_ema"),
+        (dict(loss_scale_factor=2.0), "loss_scale_factor"),
+        # ...and unknown ones.
+        (dict(not_an_argument=1), "not_an_argument"),
+        (dict(dynamic=False), "dynamic"),
+    ],
+)
+def test_parent_rejects_unsupported_kwargs(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LSO(keras.optimizers.SGD(), **kwargs)
+    with pytest.raises(ValueError, match=match):
+        ALS(keras.optimizers.SGD(), **kwargs)
+
+
+def test_accepts_parent_default_kwargs():
+    # Old configs carry the parent's non-functional defaults; the parent
+    # accepts them and so must the subclass.
+    ALS(keras.optimizers.SGD(), clipnorm=None, use_ema=False, dynamic=True)
+
+
+def test_accepts_edge_values():
+    # The valid extremes of each range.
+    optimizer = ALS(
+        keras.optimizers.SGD(),
+        update_interval=1,
+        underflow_rate=0.0,
+        max_layer_scale=1,
+        overflow_margin=2**15,
+        initial_scale=1e-3,
+        dynamic_growth_steps=1,
+    )
+    assert optimizer.max_layer_scale == 1.0
+    assert optimizer.overflow_margin == 2.0**15
+    ALS(keras.optimizers.SGD(), max_layer_scale=2.0**15, underflow_rate=0.999)
+    ALS(keras.optimizers.SGD(), update_interval=np.int64(5))
+
+
+# --------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------
+
+CUSTOM = dict(
+    initial_scale=2.0**10,
+    dynamic_growth_steps=3,
+    update_interval=7,
+    underflow_rate=0.05,
+    max_layer_scale=2.0**10,
+    overflow_margin=2.0**6,
+    name="als",
+)
+
+
+def test_config_extends_the_parents():
+    # Explicit inner name: Keras uniquifies default optimizer names.
+    inner = dict(learning_rate=0.125, momentum=0.5, name="inner")
+    parent_config = LSO(
+        keras.optimizers.SGD(**inner),
+        initial_scale=2.0**10,
+        dynamic_growth_steps=3,
+        name="als",
+    ).get_config()
+    config = ALS(keras.optimizers.SGD(**inner), **CUSTOM).get_config()
+    assert set(config) == set(parent_config) | set(NEW_DEFAULTS)
+    assert set(NEW_DEFAULTS).isdisjoint(parent_config)
+    # The parent's keys keep their names and values.
+    for key, value in parent_config.items():
+        assert config[key] == value, key
+    for key in NEW_DEFAULTS:
+        assert config[key] == CUSTOM[key], key
+    json.dumps(config)  # plain Python values only
+
+
+def test_default_config_values():
+    config = ALS(keras.optimizers.SGD()).get_config()
+    for key, value in NEW_DEFAULTS.items():
+        assert config[key] == value, key
+    assert config["initial_scale"] == 2.0**15
+    assert config["dynamic_growth_steps"] == 2000
+
+
+def test_from_config_round_trip():
+    optimizer = ALS(keras.optimizers.Adam(learning_rate=0.25, beta_1=0.5), **CUSTOM)
+    config = optimizer.get_config()
+    restored = ALS.from_config(copy.deepcopy(config))
+    assert type(restored) is ALS
+    assert restored.get_config() == config
+    assert type(restored.inner_optimizer) is keras.optimizers.Adam
+    assert restored.inner_optimizer is not optimizer.inner_optimizer
+    assert restored.update_interval == 7
+    assert type(restored.update_interval) is int
+
+
+def test_serialize_round_trip_without_custom_objects():
+    optimizer = ALS(keras.optimizers.Adam(learning_rate=0.25), **CUSTOM)
+    serialized = keras.saving.serialize_keras_object(optimizer)
+    json.dumps(serialized)
+    restored = keras.saving.deserialize_keras_object(copy.deepcopy(serialized))
+    assert type(restored) is ALS
+    assert restored.get_config() == optimizer.get_config()
+    assert keras.saving.serialize_keras_object(restored) == serialized
+
+
+# --------------------------------------------------------------------------
+# Parity with the parent on an uninstrumented model
+# --------------------------------------------------------------------------
+
+STEPS = 6
+BATCH = 8
+# Steps whose gradient is not finite: one from an inf in the input batch,
+# one from multiplying the scaled loss by inf.
+INF_INPUT_STEP = 2
+INF_LOSS_STEP = 4
+INITIAL_SCALE = 2.0**8
+GROWTH_STEPS = 2
+# The parent's rule, by hand: a finite step increments the counter, or, when
+# it reaches GROWTH_STEPS - 1, resets it and doubles S; a non-finite step
+# resets it, halves S and skips the inner optimizer (no iteration).
+#   step:        0    1    2    3    4    5
+#   finite:      y    y    n    y    n    y
+EXPECTED_SCALE = [256.0, 512.0, 256.0, 256.0, 128.0, 128.0]
+EXPECTED_COUNTER = [1, 0, 0, 1, 0, 1]
+EXPECTED_ITERATIONS = [1, 2, 2, 3, 3, 4]
+
+
+def _data():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=[STEPS, BATCH, 5]).astype(np.float32)
+    y = rng.normal(size=[STEPS, BATCH, 3]).astype(np.float32)
+    x[INF_INPUT_STEP, 3, 1] = np.inf
+    return x, y
+
+
+def _models():
+    """Two small mixed_float16 models with identical initial weights."""
+    def build():
+        return keras.Sequential(
+            [
+                keras.Input([5]),
+                keras.layers.Dense(16, activation="relu"),
+                keras.layers.Dense(3),
+            ]
+        )
+
+    a, b = build(), build()
+    b.set_weights(a.get_weights())
+    assert a.layers[0].compute_dtype == "float16"
+    assert a.layers[0].kernel.dtype == "float32"
+    return a, b
+
+
+def _optimizers(inner_class, **inner_kwargs):
+    kwargs = dict(initial_scale=INITIAL_SCALE, dynamic_growth_steps=GROWTH_STEPS)
+    return (
+        LSO(inner_class(**inner_kwargs), **kwargs),
+        ALS(inner_class(**inner_kwargs), **kwargs),
+    )
+
+
+def _bits(model):
+    return [np.asarray(w).tobytes() for w in model.get_weights()]
+
+
+def _state(optimizer):
+    return (
+        float(optimizer.dynamic_scale.numpy()),
+        int(optimizer.step_counter.numpy()),
+        int(optimizer.iterations.numpy()),
+    )
+
+
+def _train_step(model, optimizer, x, y, poison):
+    with tf.GradientTape() as tape:
+        prediction = tf.cast(model(x, training=True), tf.float32)
+        loss = tf.reduce_mean(tf.square(prediction - y))
+        scaled = optimizer.scale_loss(loss)
+        scaled = scaled * poison
+    grads = tape.gradient(scaled, model.trainable_variables)
+    optimizer.apply(grads, model.trainable_variables)
+    return grads
+
+
+@pytest.mark.parametrize("mode", ["eager", "tf_function"])
+def test_custom_loop_parity(mixed, mode):
+    x, y = _data()
+    model_a, model_b = _models()
+    # SGD with momentum: its update is proportional to the gradient, so a
+    # wrongly unscaled gradient shows (Adam's update is nearly invariant to
+    # the gradient's scale).
+    opt_a, opt_b = _optimizers(keras.optimizers.SGD, learning_rate=0.05, momentum=0.9)
+    steps = {}
+    for name, model, opt in (("keras", model_a, opt_a), ("tf_als", model_b, opt_b)):
+        step = lambda x, y, p, model=model, opt=opt: _train_step(model, opt, x, y, p)  # noqa: E731
+        steps[name] = tf.function(step) if mode == "tf_function" else step
+
+    for i in range(STEPS):
+        before = _bits(model_a)
+        assert before == _bits(model_b), f"step {i}: weights differ before"
+        poison = tf.constant(np.inf if i == INF_LOSS_STEP else 1.0, tf.float32)
+        grads_a = steps["keras"](x[i], y[i], poison)
+        grads_b = steps["tf_als"](x[i], y[i], poison)
+
+        finite = all(bool(tf.reduce_all(tf.math.is_finite(g))) for g in grads_a)
+        assert finite == (i not in (INF_INPUT_STEP, INF_LOSS_STEP)), i
+        # Same scaled gradients reach both optimizers.
+        for ga, gb in zip(grads_a, grads_b):
+            assert np.asarray(ga).tobytes() == np.asarray(gb).tobytes(), i
+
+        after = _bits(model_a)
+        assert after == _bits(model_b), f"step {i}: weights differ"
+        assert _state(opt_a) == _state(opt_b), i
+        assert _state(opt_b) == (
+            EXPECTED_SCALE[i],
+            EXPECTED_COUNTER[i],
+            EXPECTED_ITERATIONS[i],
+        ), i
+        if finite:
+            assert after != before, f"step {i}: finite step did not train"
+        else:
+            assert after == before, f"step {i}: skipped step changed weights"
+            previous = EXPECTED_SCALE[i - 1] if i else INITIAL_SCALE
+            assert EXPECTED_SCALE[i] == previous / 2
+    # Inner optimizer state (momentum) identical too.
+    for va, vb in zip(opt_a.variables, opt_b.variables):
+        assert np.asarray(va).tobytes() == np.asarray(vb).tobytes(), va.path
+
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+def test_fit_parity(mixed, jit_compile):
+    x, y = _data()
+    x, y = x.reshape([-1, 5]), y.reshape([-1, 3])
+    model_a, model_b = _models()
+    opt_a, opt_b = _optimizers(keras.optimizers.SGD, learning_rate=0.05, momentum=0.9)
+    for model, opt in ((model_a, opt_a), (model_b, opt_b)):
+        model.compile(optimizer=opt, loss="mse", jit_compile=jit_compile)
+        # Keras must not wrap either optimizer again.
+        assert model.optimizer is opt
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert _bits(model_a) == _bits(model_b)
+    # One non-finite batch (the inf input): 5 finite steps, 1 skipped.
+    # S: 256 -> 512 (steps 0, 1) -> 256 (skip at 2) -> 256, 512 (3, 4) ->
+    # 512 with counter 1 (5).
+    assert _state(opt_a) == _state(opt_b) == (512.0, 1, 5)
+    for va, vb in zip(opt_a.variables, opt_b.variables):
+        assert np.asarray(va).tobytes() == np.asarray(vb).tobytes(), va.path

@@ -1,0 +1,765 @@
+"""Tests of `tf_als.policy` and `tf_als._pow2`: the pure rule, on crafted
+tensors, with exact expected values derived by hand.
+
+Every check runs through the `run` fixture in three named modes: eager,
+`tf.function` and XLA (`tf.function(jit_compile=True)`). Inputs are passed
+as arguments, so the compiled modes see placeholders, not constants. A table
+of cases is evaluated in one traced call (tracing and XLA compilation
+dominate the runtime); a failing row is named in the assertion message.
+
+All comparisons are exact (no tolerance): the rule only uses comparisons,
+powers of two and sorting, and every fraction below is 0, 1 or has a
+power-of-two denominator (tensor sizes 1, 4, 8, 128), so float32 holds the
+expected values exactly whatever order a backend divides or folds in.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_als import _pow2
+from tf_als import policy
+
+INF = float("inf")
+NAN = float("nan")
+F16_MAX = 65504.0
+F16_MIN_NORMAL = 2.0**-14
+F16_MIN_SUBNORMAL = 2.0**-24
+
+MODES = ("eager", "tf_function", "xla")
+
+
+@pytest.fixture(params=MODES)
+def run(request):
+    """`run(fn, *tensors)` calls `fn` in the mode of the test case and returns
+    its outputs as numpy values (structure kept)."""
+    mode = request.param
+
+    def run(fn, *args):
+        # autograph=False: the policy has no tensor-dependent Python control
+        # flow, and converting tfp's percentile costs time.
+        if mode == "tf_function":
+            fn = tf.function(fn, autograph=False)
+        elif mode == "xla":
+            fn = tf.function(fn, jit_compile=True, autograph=False)
+        outputs = fn(*args)
+        return tf.nest.map_structure(lambda t: t.numpy(), outputs)
+
+    return run
+
+
+def assert_exact(actual, expected, dtype=np.float32, what=""):
+    """Same dtype, same shape, same values (NaN matches NaN)."""
+    actual = np.asarray(actual)
+    expected = np.asarray(expected, dtype=dtype)
+    assert actual.dtype == expected.dtype, (what, actual.dtype, expected.dtype)
+    assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+    np.testing.assert_array_equal(actual, expected, err_msg=str(what))
+
+
+def assert_statistics(stats, percentile, amax, zero, subnormal, near_max, what=""):
+    assert isinstance(stats, policy.GradientStatistics)
+    expected = dict(
+        percentile=percentile,
+        amax=amax,
+        zero_fraction=zero,
+        subnormal_fraction=subnormal,
+        near_max_fraction=near_max,
+    )
+    for field, value in expected.items():
+        assert_exact(getattr(stats, field), value, what=f"{what} {field}")
+
+
+def f32(values):
+    return tf.constant(values, tf.float32)
+
+
+def f16(values):
+    return tf.constant(values, tf.float16)
+
+
+def next_up(x):
+    return float(np.nextafter(np.float32(x), np.float32(INF)))
+
+
+def next_down(x):
+    return float(np.nextafter(np.float32(x), np.float32(0.0)))
+
+
+# --------------------------------------------------------------------------
+# _pow2
+# --------------------------------------------------------------------------
+
+
+def test_floor_log2_exact_on_every_normal_power_of_two(run):
+    exponents = np.arange(-126, 128)
+    x = np.ldexp(np.float32(1.0), exponents).astype(np.float32)
+    assert_exact(run(_pow2.floor_log2, tf.constant(x)), exponents, np.int32)
+
+
+def test_floor_log2_just_below_and_above_powers_of_two(run):
+    # 2**e * (1 - 2**-24) lies in [2**(e-1), 2**e): floor is e - 1.
+    # 2**e * (1 + 2**-23) lies in [2**e, 2**(e+1)): floor is e.
+    # e starts at -125 so that the value just below is still normal; the
+    # float32 maximum 2**127 * (2 - 2**-23) stands in for "above 2**127".
+    exponents = np.arange(-125, 128)
+    powers = np.ldexp(np.float32(1.0), exponents).astype(np.float32)
+    below = np.nextafter(powers, np.float32(0.0))
+    above = np.nextafter(powers, np.float32(INF))
+    above[-1] = np.finfo(np.float32).max
+    out_below, out_above = run(
+        lambda b, a: (_pow2.floor_log2(b), _pow2.floor_log2(a)),
+        tf.constant(below),
+        tf.constant(above),
+    )
+    assert_exact(out_below, exponents - 1, np.int32)
+    assert_exact(out_above, exponents, np.int32)
+
+
+def test_floor_log2_non_powers(run):
+    # 0.75 in [1/2, 1) -> -1; 1.5 in [1, 2) -> 0; 3 in [2, 4) -> 1;
+    # 1000 in [512, 1024) -> 9; 1e-3 in [2**-10, 2**-9) -> -10.
+    x = f32([0.75, 1.5, 3.0, 1000.0, 1e-3])
+    assert_exact(run(_pow2.floor_log2, x), [-1, 0, 1, 9, -10], np.int32)
+
+
+def test_floor_log2_float16_extremes(run):
+    # float16 input is read through float32: smallest subnormal 2**-24,
+    # smallest normal 2**-14, largest subnormal 2**-14 - 2**-24 (in
+    # [2**-15, 2**-14)), and the maximum 65504 = 2**15 * (2 - 2**-10).
+    x = f16([F16_MIN_SUBNORMAL, F16_MIN_NORMAL, F16_MIN_NORMAL - F16_MIN_SUBNORMAL, F16_MAX])
+    assert_exact(run(_pow2.floor_log2, x), [-24, -14, -15, 15], np.int32)
+
+
+def test_pow2_exact_on_the_float32_normal_range_and_back(run):
+    exponents = np.arange(-126, 128, dtype=np.int32)
+    expected = np.ldexp(np.float32(1.0), exponents).astype(np.float32)
+    powers, back = run(
+        lambda e: (_pow2.pow2(e), _pow2.floor_log2(_pow2.pow2(e))),
+        tf.constant(exponents),
+    )
+    assert_exact(powers, expected)
+    assert_exact(back, exponents, np.int32)
+
+
+def test_pow2_float16_extremes(run):
+    e = tf.constant([-24, -14, 15, 16], tf.int32)
+    assert_exact(run(_pow2.pow2, e), [2.0**-24, 2.0**-14, 32768.0, 65536.0])
+
+
+def test_pow2_clips_to_the_float32_normal_range(run):
+    # Below -126 gives 2**-126 (not a subnormal, not 0); above 127 gives
+    # 2**127 (not inf).
+    e = tf.constant([-127, -1000, -(2**30), 128, 1000, 2**30], tf.int32)
+    expected = [2.0**-126] * 3 + [2.0**127] * 3
+    assert_exact(run(_pow2.pow2, e), expected)
+
+
+def test_pow2_accepts_int64_exponents(run):
+    e = tf.constant([0, 3, -14], tf.int64)
+    assert_exact(run(_pow2.pow2, e), [1.0, 8.0, 2.0**-14])
+
+
+# --------------------------------------------------------------------------
+# gradient_statistics
+# --------------------------------------------------------------------------
+
+
+def _statistics_at_rates(run, gradients, rates):
+    """gradient_statistics of `gradients` at each rate, in one traced call."""
+    return run(
+        lambda g: [policy.gradient_statistics(g, rate) for rate in rates],
+        gradients,
+    )
+
+
+def test_statistics_all_zero(run):
+    outputs = run(
+        lambda a, b: [policy.gradient_statistics(g, 0.01) for g in (a, b)],
+        tf.zeros([4, 2], tf.float16),
+        tf.zeros([8], tf.float32),
+    )
+    for dtype, stats in zip(("float16", "float32"), outputs):
+        assert_statistics(
+            stats, percentile=0.0, amax=0.0, zero=1.0, subnormal=0.0, near_max=0.0, what=dtype
+        )
+
+
+# Five float16 subnormals 2**-20 .. 2**-16, shuffled, with signs. The nonzero
+# magnitudes sorted are [2**-20, 2**-19, 2**-18, 2**-17, 2**-16]; 'lower'
+# picks index floor(rate * (5 - 1)).
+SUBNORMALS = [2.0**-18, -(2.0**-16), 2.0**-20, -(2.0**-17), 2.0**-19]
+SUBNORMAL_PERCENTILES = [
+    (0.0, 2.0**-20),  # floor(0 * 4) = 0
+    (0.01, 2.0**-20),  # floor(0.04) = 0
+    (0.3, 2.0**-19),  # floor(1.2) = 1
+    (0.5, 2.0**-18),  # floor(2.0) = 2, an exact integer
+    (0.75, 2.0**-17),  # floor(3.0) = 3, an exact integer
+    (0.99, 2.0**-17),  # floor(3.96) = 3
+]
+
+
+def test_statistics_subnormal_only_float16(run):
+    rates, percentiles = zip(*SUBNORMAL_PERCENTILES)
+    outputs = _statistics_at_rates(run, f16(SUBNORMALS), rates)
+    for rate, expected, stats in zip(rates, percentiles, outputs):
+        # Every element is nonzero and below 2**-14; none is near the max.
+        assert_statistics(
+            stats,
+            percentile=expected,
+            amax=2.0**-16,
+            zero=0.0,
+            subnormal=1.0,
+            near_max=0.0,
+            what=f"rate={rate}",
+        )
+
+
+def test_statistics_smallest_subnormal_and_smallest_normal(run):
+    # 2**-24 is a (nonzero) subnormal; 2**-14 is normal, not subnormal;
+    # 2**-14 - 2**-24 is the largest subnormal. Size 4: 2 subnormals, 1 zero.
+    g = f16([F16_MIN_SUBNORMAL, F16_MIN_NORMAL, F16_MIN_NORMAL - F16_MIN_SUBNORMAL, 0.0])
+    [stats] = _statistics_at_rates(run, g, [0.0])
+    assert_statistics(
+        stats,
+        percentile=F16_MIN_SUBNORMAL,
+        amax=F16_MIN_NORMAL,
+        zero=0.25,
+        subnormal=0.5,
+        near_max=0.0,
+    )
+
+
+def test_statistics_near_overflow_float16(run):
+    # The threshold is 65504 / 2 = 32752 (a float16: 2047 * 16). Counted:
+    # 65504, -32752. Not counted: 32736 (the float16 just below 32752), 1,
+    # 2, -4, 0.5, 0. Size 8 -> 2/8. Nonzero sorted: [0.5, 1, 2, 4, 32736,
+    # 32752, 65504]; rate 0.5 -> floor(0.5 * 6) = 3 -> 4.
+    g = f16([[65504.0, -32752.0, 32736.0, 1.0], [0.0, 2.0, -4.0, 0.5]])
+    [stats] = _statistics_at_rates(run, g, [0.5])
+    assert_statistics(stats, percentile=4.0, amax=F16_MAX, zero=0.125, subnormal=0.0, near_max=0.25)
+
+
+def test_statistics_near_max_counts_non_finite(run):
+    # inf, -inf and NaN are all "near the max" (>= is False for NaN, so it
+    # must be counted explicitly). 1 is not. Size 4 -> 3/4.
+    [stats] = _statistics_at_rates(run, f32([INF, 1.0, -INF, NAN]), [0.01])
+    assert_exact(stats.near_max_fraction, 0.75)
+    assert_exact(stats.zero_fraction, 0.0)
+    assert_exact(stats.subnormal_fraction, 0.0)
+
+
+# Eight elements, five nonzero: sorted nonzero magnitudes [1, 2, 3, 4, 5].
+# With the zeros counted, rate 0.5 would give floor(0.5 * 7) = 3 -> 1, not 3.
+MIXED = [0.0, -5.0, 3.0, 0.0, 1.0, -4.0, 0.0, 2.0]
+MIXED_PERCENTILES = [
+    (0.0, 1.0),  # floor(0) = 0: the smallest NONZERO, not 0
+    (0.2, 1.0),  # floor(0.8) = 0
+    (0.24, 1.0),  # floor(0.96) = 0
+    (0.25, 2.0),  # floor(1.0) = 1, exact integer
+    (0.26, 2.0),  # floor(1.04) = 1
+    (0.5, 3.0),  # floor(2.0) = 2, exact integer
+    (0.75, 4.0),  # floor(3.0) = 3, exact integer
+    (0.99, 4.0),  # floor(3.96) = 3
+]
+
+
+def test_statistics_percentile_ignores_zeros(run):
+    rates, percentiles = zip(*MIXED_PERCENTILES)
+    outputs = _statistics_at_rates(run, f32(MIXED), rates)
+    for rate, expected, stats in zip(rates, percentiles, outputs):
+        assert_statistics(
+            stats,
+            percentile=expected,
+            amax=5.0,
+            zero=0.375,
+            subnormal=0.0,
+            near_max=0.0,
+            what=f"rate={rate}",
+        )
+
+
+# 1 .. 101 (index i holds i + 1 once sorted) and 27 zeros, shuffled: size 128.
+HUNDRED_AND_ONE = np.random.default_rng(0).permutation(
+    np.concatenate([np.arange(1, 102), np.zeros(27)]).astype(np.float32)
+)
+HUNDRED_AND_ONE_PERCENTILES = [
+    # index = rate * 100 for the decimal rate the caller wrote. In float64
+    # the products are 1.0, 28.999999999999996 and 56.99999999999999: a
+    # plain floor would pick indices 28 and 56.
+    (0.01, 2.0),  # index 1 (the default rate)
+    (0.29, 30.0),  # index 29
+    (0.57, 58.0),  # index 57
+    (0.015, 2.0),  # floor(1.5) = 1
+    (0.995, 100.0),  # floor(99.5) = 99
+]
+
+
+def test_statistics_percentile_exact_integer_index(run):
+    rates, percentiles = zip(*HUNDRED_AND_ONE_PERCENTILES)
+    outputs = _statistics_at_rates(run, tf.constant(HUNDRED_AND_ONE), rates)
+    for rate, expected, stats in zip(rates, percentiles, outputs):
+        assert_statistics(
+            stats,
+            percentile=expected,
+            amax=101.0,
+            zero=27 / 128,
+            subnormal=0.0,
+            near_max=0.0,
+            what=f"rate={rate}",
+        )
+
+
+def test_statistics_percentile_index_just_below_an_integer(run):
+    # Nonzero sorted [1, 2, 3, 4]; floor(0.9999999 * 3) = floor(2.9999997)
+    # = 2 -> 3.
+    [stats] = _statistics_at_rates(run, f32([4.0, 1.0, 3.0, 2.0]), [0.9999999])
+    assert_exact(stats.percentile, 3.0)
+
+
+def test_statistics_underflow_rate_as_a_tensor(run):
+    # MIXED at rate 0.5: floor(0.5 * 4) = 2 -> 3 (see MIXED_PERCENTILES).
+    stats = run(
+        lambda g, rate: policy.gradient_statistics(g, rate),
+        f32(MIXED),
+        tf.constant(0.5, tf.float32),
+    )
+    assert_exact(stats.percentile, 3.0)
+
+
+def _amax_of_each(run, rows):
+    """amax of each row, as float16 and as float32, in one traced call."""
+    tensors = [tf.constant(v, d) for v in rows for d in (tf.float16, tf.float32)]
+    outputs = run(
+        lambda gs: [policy.gradient_statistics(g, 0.01).amax for g in gs], tensors
+    )
+    return [(t.dtype.name, o) for t, o in zip(tensors, outputs)]
+
+
+def test_statistics_amax_propagates_nan(run):
+    # NaN anywhere (also next to inf) makes amax NaN; a max reduction alone
+    # may drop NaN.
+    rows = [[1.0, NAN, 2.0, 0.0], [INF, NAN, 2.0, 0.0], [-NAN, -INF, 2.0, 0.0]]
+    for row, (dtype, amax) in zip(np.repeat(rows, 2, axis=0), _amax_of_each(run, rows)):
+        assert_exact(amax, NAN, what=(row, dtype))
+
+
+def test_statistics_amax_propagates_inf(run):
+    rows = [[1.0, INF, 2.0, 0.0], [1.0, -INF, 2.0, 0.0]]
+    for row, (dtype, amax) in zip(np.repeat(rows, 2, axis=0), _amax_of_each(run, rows)):
+        assert_exact(amax, INF, what=(row, dtype))
+
+
+# float16 [[0, 2**-20], [1, 2]] and float32 [1e-30, 70000, 0, 3]: the float32
+# values are not float16 (1e-30 would flush to 0, 70000 would be inf), so
+# they prove pooling happens in float32.
+# Size 8: zeros 2/8; nonzero below 2**-14: 2**-20 and 1e-30 -> 2/8;
+# >= 32752: 70000 -> 1/8; amax 70000.
+# Nonzero sorted [1e-30, 2**-20, 1, 2, 3, 70000], 'lower' index
+# floor(rate * 5).
+POOL_F16 = [[0.0, 2.0**-20], [1.0, 2.0]]
+POOL_F32 = [1e-30, 70000.0, 0.0, 3.0]
+POOL_PERCENTILES = [
+    (0.0, np.float32(1e-30)),  # index 0
+    (0.2, 2.0**-20),  # floor(1.0) = 1, exact integer
+    (0.5, 1.0),  # floor(2.5) = 2
+]
+
+
+def test_statistics_pools_a_list_of_dtypes(run):
+    rates, percentiles = zip(*POOL_PERCENTILES)
+
+    def fn(x, y):
+        # Both orders, and a tuple as well as a list.
+        return [policy.gradient_statistics([x, y], r) for r in rates] + [
+            policy.gradient_statistics((y, x), r) for r in rates
+        ]
+
+    outputs = run(fn, f16(POOL_F16), f32(POOL_F32))
+    for rate, expected, stats in zip(rates * 2, percentiles * 2, outputs):
+        assert_statistics(
+            stats,
+            percentile=expected,
+            amax=70000.0,
+            zero=0.25,
+            subnormal=0.25,
+            near_max=0.125,
+            what=f"rate={rate}",
+        )
+
+
+def test_statistics_single_element(run):
+    [stats] = _statistics_at_rates(run, f32([-3.0]), [0.01])
+    assert_statistics(stats, percentile=3.0, amax=3.0, zero=0.0, subnormal=0.0, near_max=0.0)
+
+
+# --------------------------------------------------------------------------
+# choose_scale
+# --------------------------------------------------------------------------
+#
+# Rule (policy module docstring): with a = amax * backoff,
+# k_cap = largest k with a * 2**k * margin <= 65504;
+# s = 2**clip(k_cap, 0, log2(max_layer_scale));
+# s = current if amax == 0 or amax is not finite.
+# Defaults below: margin 2**12, ceiling 2**15, backoff 1, current 64.
+
+
+def _stats_like(amax):
+    zero = tf.zeros_like(amax)
+    return policy.GradientStatistics(zero, amax, zero, zero, zero)
+
+
+def _choose_table(run, rows):
+    """rows: dicts with amax, expected and optionally current,
+    max_layer_scale, margin, backoff (Python floats, passed as constants);
+    amax and current are passed as tensors. One traced call for all."""
+
+    def fn(amaxes, currents):
+        return [
+            policy.choose_scale(
+                _stats_like(amax),
+                current,
+                row.get("max_layer_scale", 2.0**15),
+                row.get("margin", 2.0**12),
+                *([row["backoff"]] if "backoff" in row else []),
+            )
+            for row, amax, current in zip(rows, amaxes, currents)
+        ]
+
+    amaxes = [tf.constant(row["amax"], tf.float32) for row in rows]
+    currents = [tf.constant(row.get("current", 64.0), tf.float32) for row in rows]
+    outputs = run(fn, amaxes, currents)
+    for row, out in zip(rows, outputs):
+        assert_exact(out, row["expected"], what=row)
+
+
+def test_choose_scale_cap_at_power_of_two_boundaries(run):
+    _choose_table(
+        run,
+        [
+            # 2**-10 * 2**(k+12) = 2**(k+2) <= 65504 -> k = 13 (2**15 =
+            # 32768; 2**16 = 65536 is too big).
+            dict(amax=2.0**-10, expected=2.0**13),
+            # 65504 / 2**12 * 2**k * 2**12 = 65504 * 2**k <= 65504 -> k = 0:
+            # equality is allowed.
+            dict(amax=F16_MAX / 2**12, expected=1.0),
+            # 65504 / 2**13: 65504 * 2**(k-1) -> k = 1, again at equality.
+            dict(amax=F16_MAX / 2**13, expected=2.0),
+            # One float32 ulp above: k = 1 exceeds 65504 -> k = 0.
+            dict(amax=next_up(F16_MAX / 2**13), expected=1.0),
+            # 65504 / 2**25: 65504 * 2**(k-13) -> k = 13 at equality; one ulp
+            # above -> 12.
+            dict(amax=F16_MAX / 2**25, expected=2.0**13),
+            dict(amax=next_up(F16_MAX / 2**25), expected=2.0**12),
+            # 2**-3: 2**(k+9) <= 65504 -> k = 6. 65504 / 2**19 (just below
+            # 2**-3) allows k = 7 at equality; the float32 just below 2**-3
+            # does not (2**16 * (1 - 2**-24) > 65504) -> 6.
+            dict(amax=2.0**-3, expected=64.0),
+            dict(amax=F16_MAX / 2**19, expected=128.0),
+            dict(amax=next_down(2.0**-3), expected=64.0),
+            # 3: 3 * 2**(k+12) <= 65504 -> 2**(k+12) <= 21834.7 -> k = 2.
+            dict(amax=3.0, expected=4.0),
+        ],
+    )
+
+
+def test_choose_scale_clips_to_one_and_the_ceiling(run):
+    _choose_table(
+        run,
+        [
+            # 2**-40 * 2**(k+12) <= 65504 -> k = 43; clipped to the ceiling.
+            dict(amax=2.0**-40, expected=2.0**15),
+            dict(amax=2.0**-40, max_layer_scale=2.0**4, expected=16.0),
+            dict(amax=2.0**-40, max_layer_scale=1.0, expected=1.0),
+            # 2**-10 allows 2**13 (above); a ceiling of 2**10 wins, one of
+            # 2**14 does not raise it.
+            dict(amax=2.0**-10, max_layer_scale=2.0**10, expected=2.0**10),
+            dict(amax=2.0**-10, max_layer_scale=2.0**14, expected=2.0**13),
+            # Cap below 0 is clipped to 1: 16 * 2**(k+12) = 2**(k+16) ->
+            # k = -1; 65504 -> k = -12; 1e30 -> far below.
+            dict(amax=16.0, expected=1.0),
+            dict(amax=F16_MAX, expected=1.0),
+            dict(amax=1e30, expected=1.0),
+            # amax * margin overflows float32 to inf: still 1, not current.
+            dict(amax=3e38, expected=1.0),
+            # The smallest normal float32, far below any float16:
+            # 2**-126 * 2**(k+12) <= 65504 -> k = 129; clipped.
+            # (Float32 subnormal amaxes are not tested: TensorFlow's CPU
+            # kernels flush them to zero, so they count as all-zero.)
+            dict(amax=2.0**-126, expected=2.0**15),
+            dict(amax=2.0**-126, max_layer_scale=2.0**7, expected=2.0**7),
+        ],
+    )
+
+
+def test_choose_scale_other_margins(run):
+    _choose_table(
+        run,
+        [
+            dict(amax=1.0, margin=1.0, expected=2.0**15),  # 2**k -> k = 15
+            dict(amax=2.0, margin=1.0, expected=2.0**14),  # 2**(k+1) -> 14
+            dict(amax=2.0**-10, margin=1.0, expected=2.0**15),  # 25, clipped
+            dict(amax=1.0, margin=2.0, expected=2.0**14),  # 2**(k+1) -> 14
+            dict(amax=1.0, margin=2.0**8, expected=2.0**7),  # 2**(k+8) -> 7
+            dict(amax=1.0, margin=2.0**15, expected=1.0),  # 2**(k+15) -> 0
+            # 3 * 2**(k+4) <= 65504 -> 2**(k+4) <= 21834.7 -> k = 10.
+            dict(amax=3.0, margin=2.0**4, expected=2.0**10),
+            # 65504 * 2**k -> k = 0 at equality.
+            dict(amax=F16_MAX, margin=1.0, expected=1.0),
+            # 32752 * 2**k -> k = 1 at equality; one ulp above -> 0.
+            dict(amax=F16_MAX / 2, margin=1.0, expected=2.0),
+            dict(amax=next_up(F16_MAX / 2), margin=1.0, expected=1.0),
+        ],
+    )
+
+
+def test_choose_scale_backoff(run):
+    _choose_table(
+        run,
+        [
+            # backoff 1 is no change: 2**-10 -> 2**13 as above.
+            dict(amax=2.0**-10, backoff=1.0, expected=2.0**13),
+            # 2**-10 * 4 = 2**-8: 2**(k+4) <= 65504 -> k = 11. The global
+            # scale backed off by 4 and so did the amax: the per-layer scale
+            # stays where it was for the un-backed-off amax 2**-8.
+            dict(amax=2.0**-10, backoff=4.0, expected=2.0**11),
+            # (65504 / 2**13) * 2 = 65504 / 2**12 -> k = 0 at equality.
+            dict(amax=F16_MAX / 2**13, backoff=2.0, expected=1.0),
+            # Not a power of two: 1 * 3 * 2**k <= 65504 (margin 1) -> k = 14.
+            dict(amax=1.0, backoff=3.0, margin=1.0, expected=2.0**14),
+            # Still clipped to the ceiling: 2**-40 * 2**10 -> k = 33.
+            dict(amax=2.0**-40, backoff=2.0**10, expected=2.0**15),
+            # Unusable amax stays unusable whatever the backoff.
+            dict(amax=0.0, backoff=8.0, current=2.0**9, expected=2.0**9),
+            dict(amax=INF, backoff=8.0, current=2.0**9, expected=2.0**9),
+        ],
+    )
+
+
+def test_choose_scale_accepts_tensor_knobs(run):
+    # amax 2**-10, margin 2**12, ceiling 2**15 -> 2**13 (as above); with
+    # ceiling 2**10 -> 2**10.
+    def fn(amax, current, ceiling, margin):
+        return policy.choose_scale(_stats_like(amax), current, ceiling, margin)
+
+    args = [tf.constant(v, tf.float32) for v in (2.0**-10, 1.0, 2.0**15, 2.0**12)]
+    assert_exact(run(fn, *args), 2.0**13)
+    args[2] = tf.constant(2.0**10, tf.float32)
+    assert_exact(run(fn, *args), 2.0**10)
+
+
+def test_choose_scale_keeps_current_when_unusable(run):
+    # No information (all zero) or an unusable one (not finite): keep the
+    # current scale, whatever it is.
+    _choose_table(
+        run,
+        [
+            dict(amax=amax, current=current, expected=current)
+            for amax in (0.0, INF, NAN)
+            for current in (1.0, 2.0**9, 2.0**15)
+        ],
+    )
+
+
+def test_choose_scale_from_gradients(run):
+    # End to end on tensors, margin 2**12, ceiling 2**15, current 2**9.
+    cases = [
+        ("all zero: keep", [0.0] * 4, 2.0**9),
+        ("inf: keep", [1.0, INF, 0.0, 2.0], 2.0**9),
+        ("nan: keep", [1.0, NAN, 0.0, 2.0], 2.0**9),
+        # Subnormal only, amax 2**-16: 2**(k-4) <= 65504 -> k = 19 -> 2**15.
+        ("subnormal only", SUBNORMALS, 2.0**15),
+        # amax 65504 -> k = -12 -> 1; amax 32752 -> k = -11 -> 1.
+        ("float16 max", [65504.0, 1.0, 0.0, -2.0], 1.0),
+        ("near max", [-32752.0, 1.0, 0.0, 2.0**-20], 1.0),
+        # amax 2**-10 (negative sign) -> 2**13.
+        ("amax 2**-10", [2.0**-12, -(2.0**-10), 0.0, 2.0**-20], 2.0**13),
+    ]
+
+    def fn(gradients):
+        return [
+            policy.choose_scale(
+                policy.gradient_statistics(g, 0.01), 2.0**9, 2.0**15, 2.0**12
+            )
+            for g in gradients
+        ]
+
+    outputs = run(fn, [f16(values) for _, values, _ in cases])
+    for (what, _, expected), out in zip(cases, outputs):
+        assert_exact(out, expected, what=what)
+
+
+# --------------------------------------------------------------------------
+# lifts_percentile
+# --------------------------------------------------------------------------
+
+
+def test_lifts_percentile(run):
+    cases = [
+        (0.0, 1.0, True),  # nothing to lift
+        (2.0**-20, 2.0**6, True),  # 2**-14 exactly: the smallest normal
+        (2.0**-20, 2.0**5, False),  # 2**-15: subnormal
+        (2.0**-20, 2.0**15, True),
+        (F16_MIN_NORMAL, 1.0, True),
+        (next_down(F16_MIN_NORMAL), 1.0, False),
+        (F16_MIN_SUBNORMAL, 2.0**9, False),  # 2**-15
+        (F16_MIN_SUBNORMAL, 2.0**10, True),  # 2**-14
+        (1.0, 1.0, True),
+    ]
+
+    def fn(qs, scales):
+        return [
+            policy.lifts_percentile(_stats_like(tf.zeros([]))._replace(percentile=q), s)
+            for q, s in zip(qs, scales)
+        ]
+
+    outputs = run(
+        fn,
+        [tf.constant(q, tf.float32) for q, _, _ in cases],
+        [tf.constant(s, tf.float32) for _, s, _ in cases],
+    )
+    for (q, s, expected), out in zip(cases, outputs):
+        assert_exact(out, expected, np.bool_, what=(q, s))
+
+
+def test_lifts_percentile_reports_what_the_cap_cannot_lift(run):
+    def fn(gradients):
+        outputs = []
+        for g in gradients:
+            stats = policy.gradient_statistics(g, 0.0)
+            scale = policy.choose_scale(stats, 1.0, 2.0**15, 2.0**12)
+            outputs.append((scale, policy.lifts_percentile(stats, scale)))
+        return outputs
+
+    [(scale_a, lifted_a), (scale_b, lifted_b)] = run(
+        fn, [f32([2.0**-24, 1000.0, 0.0, 1.0]), f16(SUBNORMALS)]
+    )
+    # amax 1000: 1000 * 2**(k+12) <= 65504 -> 2**(k+12) <= 65.5 -> k = -6 ->
+    # clipped to 1; q = 2**-24 stays subnormal: underflow reported.
+    assert_exact(scale_a, 1.0)
+    assert_exact(lifted_a, False, np.bool_)
+    # Subnormal only: q = 2**-20 (rate 0: the smallest), s = 2**15 -> 2**-5.
+    assert_exact(scale_b, 2.0**15)
+    assert_exact(lifted_b, True, np.bool_)
+
+
+# --------------------------------------------------------------------------
+# measure_if / choose_scale_if
+# --------------------------------------------------------------------------
+
+
+def _stats_vector(stats):
+    return np.array([np.float32(v) for v in stats], np.float32)
+
+
+def test_measure_if(run):
+    # The pooled float16 + float32 gradient of the pooling test, given as
+    # 2-D tensors (measure_if flattens); rate 0.5 -> percentile 1.
+    a = f16(POOL_F16)
+    b = f32(np.reshape(POOL_F32, [2, 2]))
+
+    def fn(x, y):
+        return [policy.measure_if(tf.constant(u), [x, y], 0.5) for u in (False, True)]
+
+    hold, update = run(fn, a, b)
+    assert_exact(hold, np.zeros(5))
+    assert_exact(update, [1.0, 70000.0, 0.25, 0.25, 0.125])
+    assert_exact(update, _stats_vector(policy.gradient_statistics([a, b], 0.5)))
+
+
+def test_measure_if_update_as_argument(run):
+    # `update` as a runtime tensor (a placeholder in the compiled modes).
+    g = f32(MIXED)
+    fn = lambda u, g: policy.measure_if(u, [g], 0.5)  # noqa: E731
+    assert_exact(run(fn, tf.constant(False), g), np.zeros(5))
+    assert_exact(run(fn, tf.constant(True), g), [3.0, 5.0, 0.375, 0.0, 0.0])
+
+
+def test_measure_if_hold_computes_nothing_on_non_finite(run):
+    # On hold the statistics are zeros even for a NaN gradient (they are not
+    # computed and then masked, which could leak NaN).
+    out = run(
+        lambda u, g: policy.measure_if(u, [g], 0.01),
+        tf.constant(False),
+        f32([NAN, INF, 1.0, 0.0]),
+    )
+    assert_exact(out, np.zeros(5))
+
+
+def test_measure_if_update_equals_gradient_statistics(run):
+    cases = [
+        ("mixed", tf.constant(MIXED, tf.float32), 0.5),
+        ("subnormal", f16(SUBNORMALS), 0.3),
+        ("near_max", f16([[65504.0, -32752.0, 32736.0, 1.0], [0.0, 2.0, -4.0, 0.5]]), 0.5),
+        ("zero", tf.zeros([4], tf.float16), 0.01),
+        ("nan", f32([1.0, NAN, 0.0, 2.0]), 0.01),
+    ]
+
+    def fn(gradients):
+        return [
+            policy.measure_if(tf.constant(True), [g], rate)
+            for g, (_, _, rate) in zip(gradients, cases)
+        ]
+
+    outputs = run(fn, [g for _, g, _ in cases])
+    for (what, g, rate), out in zip(cases, outputs):
+        expected = _stats_vector(policy.gradient_statistics(g, rate))
+        if what == "nan":
+            # The percentile of a NaN gradient is unspecified (sorting NaN
+            # is); the other fields are not.
+            out, expected = out[1:], expected[1:]
+        assert_exact(out, expected, what=what)
+
+
+CHOOSE_IF_CASES = [
+    # (amax, current, backoff, chosen on update); margin 2**12, ceiling 2**15.
+    (2.0**-10, 1.0, 1.0, 2.0**13),  # see test_choose_scale_cap_...
+    (F16_MAX / 2**12, 2.0**9, 1.0, 1.0),
+    (2.0**-40, 1.0, 1.0, 2.0**15),
+    (2.0**-10, 1.0, 4.0, 2.0**11),  # see test_choose_scale_backoff
+    (0.0, 2.0**9, 1.0, 2.0**9),
+    (INF, 2.0**9, 1.0, 2.0**9),
+    (NAN, 2.0**9, 1.0, 2.0**9),
+]
+
+
+def test_choose_scale_if(run):
+    def fn(update, vectors, currents, backoffs):
+        return [
+            policy.choose_scale_if(
+                update, v, c, tf.constant(2.0**15), tf.constant(2.0**12), b
+            )
+            for v, c, b in zip(vectors, currents, backoffs)
+        ]
+
+    vectors = [tf.constant([0.0, a, 0.0, 0.0, 0.0], tf.float32) for a, _, _, _ in CHOOSE_IF_CASES]
+    currents = [tf.constant(c, tf.float32) for _, c, _, _ in CHOOSE_IF_CASES]
+    backoffs = [tf.constant(b, tf.float32) for _, _, b, _ in CHOOSE_IF_CASES]
+    hold = run(fn, tf.constant(False), vectors, currents, backoffs)
+    update = run(fn, tf.constant(True), vectors, currents, backoffs)
+    for case, h, u, v in zip(CHOOSE_IF_CASES, hold, update, vectors):
+        amax, current, backoff, expected = case
+        assert_exact(h, current, what=("hold", case))
+        assert_exact(u, expected, what=("update", case))
+        direct = policy.choose_scale(_stats_like(v[1]), current, 2.0**15, 2.0**12, backoff)
+        assert_exact(u, direct.numpy(), what=("update == choose_scale", case))
+
+
+def test_measure_then_choose_if_with_knobs(run):
+    # The two gated steps chained as a scaling point chains them, ceiling
+    # 2**10, margin 2**4: amax 3 -> 3 * 2**(k+4) <= 65504 -> k = 10, at the
+    # ceiling -> 2**10; on hold the current 8 stays.
+    def fn(u, g):
+        stats = policy.measure_if(u, [g], 0.01)
+        return policy.choose_scale_if(
+            u,
+            stats,
+            tf.constant(8.0),
+            tf.constant(2.0**10),
+            tf.constant(2.0**4),
+            tf.constant(1.0),
+        )
+
+    g = f16([[3.0, -1.0], [0.0, 2.0**-20]])
+    assert_exact(run(fn, tf.constant(True), g), 2.0**10)
+    assert_exact(run(fn, tf.constant(False), g), 8.0)
