@@ -644,7 +644,7 @@ def test_lifts_percentile_reports_what_the_cap_cannot_lift(run):
 
 
 # --------------------------------------------------------------------------
-# measure_if / choose_scale_if
+# measure: gradient_statistics as a vector, out of line
 # --------------------------------------------------------------------------
 
 
@@ -652,41 +652,17 @@ def _stats_vector(stats):
     return np.array([np.float32(v) for v in stats], np.float32)
 
 
-def test_measure_if(run):
+def test_measure(run):
     # The pooled float16 + float32 gradient of the pooling test, given as
-    # 2-D tensors (measure_if flattens); rate 0.5 -> percentile 1.
+    # 2-D tensors (measure flattens); rate 0.5 -> percentile 1.
     a = f16(POOL_F16)
     b = f32(np.reshape(POOL_F32, [2, 2]))
-
-    def fn(x, y):
-        return [policy.measure_if(tf.constant(u), [x, y], 0.5) for u in (False, True)]
-
-    hold, update = run(fn, a, b)
-    assert_exact(hold, np.zeros(5))
-    assert_exact(update, [1.0, 70000.0, 0.25, 0.25, 0.125])
-    assert_exact(update, _stats_vector(policy.gradient_statistics([a, b], 0.5)))
+    out = run(lambda x, y: policy.measure([x, y], 0.5), a, b)
+    assert_exact(out, [1.0, 70000.0, 0.25, 0.25, 0.125])
+    assert_exact(out, _stats_vector(policy.gradient_statistics([a, b], 0.5)))
 
 
-def test_measure_if_update_as_argument(run):
-    # `update` as a runtime tensor (a placeholder in the compiled modes).
-    g = f32(MIXED)
-    fn = lambda u, g: policy.measure_if(u, [g], 0.5)  # noqa: E731
-    assert_exact(run(fn, tf.constant(False), g), np.zeros(5))
-    assert_exact(run(fn, tf.constant(True), g), [3.0, 5.0, 0.375, 0.0, 0.0])
-
-
-def test_measure_if_hold_computes_nothing_on_non_finite(run):
-    # On hold the statistics are zeros even for a NaN gradient (they are not
-    # computed and then masked, which could leak NaN).
-    out = run(
-        lambda u, g: policy.measure_if(u, [g], 0.01),
-        tf.constant(False),
-        f32([NAN, INF, 1.0, 0.0]),
-    )
-    assert_exact(out, np.zeros(5))
-
-
-def test_measure_if_update_equals_gradient_statistics(run):
+def test_measure_equals_gradient_statistics(run):
     cases = [
         ("mixed", tf.constant(MIXED, tf.float32), 0.5),
         ("subnormal", f16(SUBNORMALS), 0.3),
@@ -697,7 +673,7 @@ def test_measure_if_update_equals_gradient_statistics(run):
 
     def fn(gradients):
         return [
-            policy.measure_if(tf.constant(True), [g], rate)
+            policy.measure([g], rate)
             for g, (_, _, rate) in zip(gradients, cases)
         ]
 
@@ -711,49 +687,14 @@ def test_measure_if_update_equals_gradient_statistics(run):
         assert_exact(out, expected, what=what)
 
 
-CHOOSE_IF_CASES = [
-    # (amax, current, backoff, chosen on update); margin 2**12, ceiling 2**15.
-    (2.0**-10, 1.0, 1.0, 2.0**13),  # see test_choose_scale_cap_...
-    (F16_MAX / 2**12, 2.0**9, 1.0, 1.0),
-    (2.0**-40, 1.0, 1.0, 2.0**15),
-    (2.0**-10, 1.0, 4.0, 2.0**11),  # see test_choose_scale_backoff
-    (0.0, 2.0**9, 1.0, 2.0**9),
-    (INF, 2.0**9, 1.0, 2.0**9),
-    (NAN, 2.0**9, 1.0, 2.0**9),
-]
-
-
-def test_choose_scale_if(run):
-    def fn(update, vectors, currents, backoffs):
-        return [
-            policy.choose_scale_if(
-                update, v, c, tf.constant(2.0**15), tf.constant(2.0**12), b
-            )
-            for v, c, b in zip(vectors, currents, backoffs)
-        ]
-
-    vectors = [tf.constant([0.0, a, 0.0, 0.0, 0.0], tf.float32) for a, _, _, _ in CHOOSE_IF_CASES]
-    currents = [tf.constant(c, tf.float32) for _, c, _, _ in CHOOSE_IF_CASES]
-    backoffs = [tf.constant(b, tf.float32) for _, _, b, _ in CHOOSE_IF_CASES]
-    hold = run(fn, tf.constant(False), vectors, currents, backoffs)
-    update = run(fn, tf.constant(True), vectors, currents, backoffs)
-    for case, h, u, v in zip(CHOOSE_IF_CASES, hold, update, vectors):
-        amax, current, backoff, expected = case
-        assert_exact(h, current, what=("hold", case))
-        assert_exact(u, expected, what=("update", case))
-        direct = policy.choose_scale(_stats_like(v[1]), current, 2.0**15, 2.0**12, backoff)
-        assert_exact(u, direct.numpy(), what=("update == choose_scale", case))
-
-
-def test_measure_then_choose_if_with_knobs(run):
-    # The two gated steps chained as a scaling point chains them, ceiling
-    # 2**10, margin 2**4: amax 3 -> 3 * 2**(k+4) <= 65504 -> k = 10, at the
-    # ceiling -> 2**10; on hold the current 8 stays.
-    def fn(u, g):
-        stats = policy.measure_if(u, [g], 0.01)
-        return policy.choose_scale_if(
-            u,
-            stats,
+def test_measure_then_choose_with_knobs(run):
+    # The two steps chained as a scaling point chains them, ceiling 2**10,
+    # margin 2**4: amax 3 -> 3 * 2**(k+4) <= 65504 -> k = 10, at the
+    # ceiling -> 2**10.
+    def fn(g):
+        stats = policy.measure([g], 0.01)
+        return policy.choose_scale(
+            policy.GradientStatistics(*tf.unstack(stats)),
             tf.constant(8.0),
             tf.constant(2.0**10),
             tf.constant(2.0**4),
@@ -761,5 +702,4 @@ def test_measure_then_choose_if_with_knobs(run):
         )
 
     g = f16([[3.0, -1.0], [0.0, 2.0**-20]])
-    assert_exact(run(fn, tf.constant(True), g), 2.0**10)
-    assert_exact(run(fn, tf.constant(False), g), 8.0)
+    assert_exact(run(fn, g), 2.0**10)

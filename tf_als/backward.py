@@ -51,6 +51,7 @@ class Backward:
         self._slot_scales = {}
         self._point_scales = {}  # call index -> T_in of a scaling point
         self._call_scales = {}  # call index -> T_out
+        self._step = None
         self._should_update = None
         self._backoff = None
 
@@ -101,12 +102,21 @@ class Backward:
             self._call_scales[call.index] = scale
         return scale
 
+    def step(self):
+        """The optimizer's step counter (int64 tensor), read once per pass."""
+        if self._step is None:
+            self._step = tf.cast(
+                tf.convert_to_tensor(self.controller.iterations), tf.int64
+            )
+        return self._step
+
     def should_update(self):
         """Boolean tensor: does this step update the scales?"""
         if self._should_update is None:
-            iterations = tf.convert_to_tensor(self.controller.iterations)
-            interval = tf.constant(self.controller.update_interval, iterations.dtype)
-            self._should_update = tf.equal(tf.math.floormod(iterations, interval), 0)
+            interval = tf.constant(self.controller.update_interval, tf.int64)
+            self._should_update = tf.equal(
+                tf.math.floormod(self.step(), interval), 0
+            )
         return self._should_update
 
     def backoff(self):
@@ -189,9 +199,10 @@ class Backward:
         """Calls `function(*args, **kwargs)` (the layer) as a scaling point.
 
         Forward: the layer's outputs, untouched. Backward: the output
-        gradients are aligned to e_out, the scale s_n is (re)chosen on update
+        gradients are aligned to T_out, the scale s_n is (re)chosen on update
         steps, the gradients are multiplied by s_n, the layer's own backward
-        runs, and its weight gradients are unscaled by 2**-e_in in float32.
+        runs, and its weight gradients are divided by T_in = s_n * T_out in
+        float32.
 
         Returns the flat list of outputs.
         """
@@ -266,54 +277,47 @@ class Backward:
 
     def _scale(self, state, upstream, scale_out):
         """The scale to apply now: the stored one, or on update steps a new
-        one chosen from the incoming gradient. Writes the point's state."""
+        one chosen from the incoming gradient (and recorded in `state`)."""
         current = tf.convert_to_tensor(state.scale)
         controller = self.controller
         if controller is None:
             return current
-        update = self.should_update()
-        statistics = policy.measure_if(
-            update, upstream, controller.underflow_rate
-        )
-        statistics = _across_replicas(update, statistics)
-        scale = policy.choose_scale_if(
-            update,
-            statistics,
-            current,
-            tf.constant(controller.max_layer_scale, tf.float32),
-            tf.constant(controller.overflow_margin, tf.float32),
-            self.backoff(),
-        )
-        record = state_module.record_vector(scale * scale_out, statistics)
-        step = tf.cast(
-            tf.convert_to_tensor(controller.iterations), tf.int64
-        )
-        assigns = [
-            state.scale.assign(scale),
-            state.record.assign(
-                tf.where(update, record, tf.convert_to_tensor(state.record))
-            ),
-            state.last_update.assign(
-                tf.where(update, step, tf.convert_to_tensor(state.last_update))
-            ),
-        ]
-        with tf.control_dependencies(assigns):
-            return tf.identity(scale)
+        # Made outside the branch so that later points can reuse them.
+        update, step, backoff = self.should_update(), self.step(), self.backoff()
+
+        def choose_and_record():
+            statistics = policy.measure(upstream, controller.underflow_rate)
+            statistics = _across_replicas(statistics)
+            scale = policy.choose_scale(
+                policy.GradientStatistics(*tf.unstack(statistics)),
+                current,
+                controller.max_layer_scale,
+                controller.overflow_margin,
+                backoff,
+            )
+            record = state_module.record_vector(scale * scale_out, statistics)
+            assigns = [
+                state.scale.assign(scale),
+                state.record.assign(record),
+                state.last_update.assign(step),
+            ]
+            with tf.control_dependencies(assigns):
+                return tf.identity(scale)
+
+        # Between updates the untaken branch costs a few skipped ops: the
+        # statistics run out of line (see `policy.measure`).
+        return tf.cond(update, choose_and_record, lambda: tf.identity(current))
 
 
-def _across_replicas(update, statistics):
-    """Replicas must agree on every scale: on update steps, take the max of
-    percentile and amax and the mean of the fractions over all replicas."""
+def _across_replicas(statistics):
+    """Replicas must agree on every scale: take the max of percentile and
+    amax and the mean of the fractions over all replicas."""
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
         return statistics
-
-    def reduce():
-        maxima = context.all_reduce(tf.distribute.ReduceOp.MAX, statistics[:2])
-        means = context.all_reduce(tf.distribute.ReduceOp.MEAN, statistics[2:])
-        return tf.concat([maxima, means], 0)
-
-    return tf.cond(update, reduce, lambda: statistics)
+    maxima = context.all_reduce(tf.distribute.ReduceOp.MAX, statistics[:2])
+    means = context.all_reduce(tf.distribute.ReduceOp.MEAN, statistics[2:])
+    return tf.concat([maxima, means], 0)
 
 
 def _is_float_tensor(x):

@@ -92,7 +92,7 @@ class Plan:
     point_calls: tuple
 
 
-def read(model):
+def read(model: keras.Model) -> Plan:
     """Builds the `Plan` of a built Sequential or Functional model.
 
     Raises:
@@ -107,7 +107,7 @@ def read(model):
     return builder.finish(model, input_slots, output_slots)
 
 
-def is_flattenable(operation):
+def is_flattenable(operation) -> bool:
     """True for models whose graph the plan reads instead of calling them."""
     if isinstance(operation, Sequential):
         return operation._functional is not None

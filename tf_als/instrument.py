@@ -15,7 +15,7 @@ from tf_als import optimizer as optimizer_module
 from tf_als import state
 
 
-def instrument(model):
+def instrument(model: keras.Model) -> "InstrumentedModel":
     """Returns a model that shares `model`'s layers and weights and gives
     every call of a layer with weights its own adaptive loss scale.
 
@@ -55,7 +55,7 @@ def instrument(model):
     return InstrumentedModel(model)
 
 
-def scales(model):
+def scales(model: keras.Model) -> dict[str, float]:
     """The current per-layer scale of every scaling point of an instrumented
     model, as `{point name: float}` in execution order.
 
@@ -94,7 +94,7 @@ class InstrumentedModel(keras.Model):
         **kwargs: `keras.Model` arguments (`name`, ...).
     """
 
-    def __init__(self, model, **kwargs):
+    def __init__(self, model: keras.Model, **kwargs):
         if isinstance(model, InstrumentedModel):
             raise ValueError(
                 f"Model {model.name!r} is already instrumented; pass it to "

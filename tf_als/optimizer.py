@@ -5,6 +5,7 @@ import math
 import numbers
 
 import keras
+import tensorflow as tf
 
 from tf_als import link
 from tf_als import policy
@@ -76,14 +77,14 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def __init__(
         self,
-        inner_optimizer,
-        initial_scale=2.0**15,
-        dynamic_growth_steps=2000,
-        update_interval=100,
-        underflow_rate=0.01,
-        max_layer_scale=2.0**15,
-        overflow_margin=2.0**12,
-        name=None,
+        inner_optimizer: keras.optimizers.Optimizer,
+        initial_scale: float = 2.0**15,
+        dynamic_growth_steps: int = 2000,
+        update_interval: int = 100,
+        underflow_rate: float = 0.01,
+        max_layer_scale: float = 2.0**15,
+        overflow_margin: float = 2.0**12,
+        name: str | None = None,
         **kwargs,
     ):
         _check_inner(inner_optimizer)
@@ -113,7 +114,7 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.max_layer_scale = float(max_layer_scale)
         self.overflow_margin = float(overflow_margin)
 
-    def scale_loss(self, loss):
+    def scale_loss(self, loss: tf.Tensor) -> tf.Tensor:
         """Multiplies `loss` by the global scale S, and announces this
         optimizer to the instrumented model whose gradients come next."""
         link.announce(self)
@@ -172,5 +173,6 @@ def _check_power_of_two(name, value):
     ):
         raise ValueError(
             f"`{name}` must be a power of two from 1 to 2**15 = {limit} "
-            f"(float16 must represent it exactly); received {value!r}."
+            "(powers of two keep every rescale exact, and float16 must hold "
+            f"the scale); received {value!r}."
         )

@@ -68,7 +68,7 @@ class GradientStatistics(NamedTuple):
     near_max_fraction: tf.Tensor
 
 
-def gradient_statistics(gradients, underflow_rate):
+def gradient_statistics(gradients, underflow_rate) -> GradientStatistics:
     """Measures a gradient (or several, pooled) in float32.
 
     Args:
@@ -149,8 +149,12 @@ def _statistics_of_magnitudes(magnitudes, underflow_rate):
 
 
 def choose_scale(
-    statistics, current_scale, max_layer_scale, overflow_margin, backoff=1.0
-):
+    statistics: GradientStatistics,
+    current_scale,
+    max_layer_scale,
+    overflow_margin,
+    backoff=1.0,
+) -> tf.Tensor:
     """Returns the new per-layer scale (float32, a power of two).
 
     Args:
@@ -191,7 +195,7 @@ def choose_scale(
     )
 
 
-def lifts_percentile(statistics, scale):
+def lifts_percentile(statistics: GradientStatistics, scale) -> tf.Tensor:
     """True when `scale` lifts the measured percentile to a normal float16
     (or when there is nothing to lift); False reports residual underflow."""
     scaled = statistics.percentile * tf.cast(scale, tf.float32)
@@ -200,75 +204,37 @@ def lifts_percentile(statistics, scale):
     )
 
 
-# The two steps of an update, gated by `update`, as functions traced once
-# per process and kept out of line: a model with a hundred scaling points
-# then holds one copy of their ops instead of a hundred, which is what keeps
-# tracing and graph optimisation time close to the uninstrumented model's.
+def measure(gradients, underflow_rate) -> tf.Tensor:
+    """`gradient_statistics` of `gradients` (float tensors of any shape,
+    pooled) as a float32 vector of 5, in `GradientStatistics` field order.
 
-
-def measure_if(update, gradients, underflow_rate):
-    """`GradientStatistics` of `gradients` (1-D float tensors, pooled) as a
-    float32 vector of 5 when `update`, else zeros: nothing is computed on
-    the other steps.
-
-    Calls one out-of-line function per combination of gradient dtypes.
+    Runs out of line: one function per combination of gradient dtypes,
+    traced once per process and called by every scaling point, so a model
+    with a hundred scaling points holds one copy of these ops instead of a
+    hundred (tracing and graph optimisation time stay close to the plain
+    model's). Scaling points call it only on update steps.
     """
     gradients = [tf.reshape(g, [-1]) for g in gradients]
     key = tuple(g.dtype for g in gradients)
     function = _MEASURE_FUNCTIONS.get(key)
     if function is None:
-        function = _measure_if.get_concrete_function(
-            tf.TensorSpec([], tf.bool),
+        function = _measure.get_concrete_function(
             [tf.TensorSpec([None], dtype) for dtype in key],
             tf.TensorSpec([], tf.float64),
         )
         _MEASURE_FUNCTIONS[key] = function
-    return function(update, gradients, _as_float64(underflow_rate))
+    return function(gradients, _as_float64(underflow_rate))
 
 
 _MEASURE_FUNCTIONS = {}
 
 
 @tf.function(autograph=False, experimental_attributes={"_noinline": True})
-def _measure_if(update, gradients, underflow_rate):
-    def measure():
-        magnitudes = [tf.abs(tf.cast(g, tf.float32)) for g in gradients]
-        if len(magnitudes) > 1:
-            magnitudes = [tf.concat(magnitudes, 0)]
-        return tf.stack(_statistics_of_magnitudes(magnitudes[0], underflow_rate))
-
-    return tf.cond(
-        update,
-        measure,
-        lambda: tf.zeros([len(GradientStatistics._fields)], tf.float32),
-    )
-
-
-@tf.function(
-    input_signature=[
-        tf.TensorSpec([], tf.bool),
-        tf.TensorSpec([len(GradientStatistics._fields)], tf.float32),
-        tf.TensorSpec([], tf.float32),
-        tf.TensorSpec([], tf.float32),
-        tf.TensorSpec([], tf.float32),
-        tf.TensorSpec([], tf.float32),
-    ],
-    autograph=False,
-    experimental_attributes={"_noinline": True},
-)
-def choose_scale_if(
-    update, statistics, current_scale, max_layer_scale, overflow_margin, backoff
-):
-    """`choose_scale` on a statistics vector when `update`, else
-    `current_scale`."""
-    chosen = choose_scale(
-        GradientStatistics(*tf.unstack(statistics)),
-        current_scale,
-        max_layer_scale,
-        overflow_margin,
-        backoff,
-    )
-    return tf.where(update, chosen, current_scale)
+def _measure(gradients, underflow_rate):
+    magnitudes = [tf.abs(tf.cast(g, tf.float32)) for g in gradients]
+    if len(magnitudes) > 1:
+        magnitudes = [tf.concat(magnitudes, 0)]
+    return tf.stack(_statistics_of_magnitudes(magnitudes[0], underflow_rate))
 
 
 def _as_float64(value):

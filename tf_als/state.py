@@ -33,8 +33,7 @@ class ScalingPoint(keras.layers.Layer):
     - `last_update`: int64 scalar, the optimizer step of the last update
       (-1 before the first).
 
-    The backward pass writes all three on every step (unchanged values
-    between updates), which is cheaper than a conditional per point. Under
+    The backward pass writes all three on update steps only. Under
     `tf.distribute` every replica writes the same, aggregated values, so
     the variables are synchronised on read from the first replica.
 
