@@ -233,3 +233,12 @@ def test_scales_of_a_plain_model_is_an_error(mixed):
     _, model = architectures.CASES[0].build_pair()
     with pytest.raises(TypeError, match="tf_als.instrument"):
         tf_als.scales(model)
+
+
+def test_instrumented_model_inside_another_is_refused(mixed):
+    _, model = architectures.CASES[0].build_pair()
+    inner = tf_als.instrument(model)
+    inputs = keras.Input((32,))
+    outer = keras.Model(inputs, inner(inputs))
+    with pytest.raises(ValueError, match="scaled twice.*instrument the outer"):
+        tf_als.instrument(outer)

@@ -648,6 +648,9 @@ def test_lifts_percentile_reports_what_the_cap_cannot_lift(run):
 # --------------------------------------------------------------------------
 
 
+FIELDS = len(policy.GradientStatistics._fields)
+
+
 def _stats_vector(stats):
     return np.array([np.float32(v) for v in stats], np.float32)
 
@@ -658,8 +661,10 @@ def test_measure(run):
     a = f16(POOL_F16)
     b = f32(np.reshape(POOL_F32, [2, 2]))
     out = run(lambda x, y: policy.measure([x, y], 0.5), a, b)
-    assert_exact(out, [1.0, 70000.0, 0.25, 0.25, 0.125])
-    assert_exact(out, _stats_vector(policy.gradient_statistics([a, b], 0.5)))
+    assert out.shape == (policy.MEASUREMENT_SIZE,)
+    assert_exact(out[:FIELDS], [1.0, 70000.0, 0.25, 0.25, 0.125])
+    assert_exact(out[:FIELDS], _stats_vector(policy.gradient_statistics([a, b], 0.5)))
+    assert_exact(out[FIELDS:], policy.log2_histogram([a, b]).numpy())
 
 
 def test_measure_equals_gradient_statistics(run):
@@ -679,6 +684,8 @@ def test_measure_equals_gradient_statistics(run):
 
     outputs = run(fn, [g for _, g, _ in cases])
     for (what, g, rate), out in zip(cases, outputs):
+        assert_exact(out[FIELDS:], policy.log2_histogram(g).numpy(), what=what)
+        out = out[:FIELDS]
         expected = _stats_vector(policy.gradient_statistics(g, rate))
         if what == "nan":
             # The percentile of a NaN gradient is unspecified (sorting NaN
@@ -692,9 +699,9 @@ def test_measure_then_choose_with_knobs(run):
     # margin 2**4: amax 3 -> 3 * 2**(k+4) <= 65504 -> k = 10, at the
     # ceiling -> 2**10.
     def fn(g):
-        stats = policy.measure([g], 0.01)
+        stats, _ = policy.split_measurement(policy.measure([g], 0.01))
         return policy.choose_scale(
-            policy.GradientStatistics(*tf.unstack(stats)),
+            stats,
             tf.constant(8.0),
             tf.constant(2.0**10),
             tf.constant(2.0**4),
@@ -703,3 +710,30 @@ def test_measure_then_choose_with_knobs(run):
 
     g = f16([[3.0, -1.0], [0.0, 2.0**-20]])
     assert_exact(run(fn, g), 2.0**10)
+
+
+# --------------------------------------------------------------------------
+# log2_histogram
+# --------------------------------------------------------------------------
+
+
+def test_log2_histogram(run):
+    # Ten float32 elements: 1 and 1.5 have exponent 0, -0.75 exponent -1,
+    # 2**-20 exponent -20; 2**-30 lies below the lowest bin (-24) and
+    # 65504 and 2**20 at or above the highest (15), so they land in the
+    # end bins; 0, inf and NaN are in no bin. Fractions of all 10 elements.
+    g = f32([0.0, 1.0, 1.5, 2.0**-20, 2.0**-30, 65504.0, 2.0**20, INF, NAN, -0.75])
+    expected = np.zeros([len(policy.HISTOGRAM_EXPONENTS)], np.float32)
+    for exponent, fraction in [(0, 0.2), (-1, 0.1), (-20, 0.1), (-24, 0.1), (15, 0.2)]:
+        expected[policy.HISTOGRAM_EXPONENTS.index(exponent)] = fraction
+    assert_exact(run(policy.log2_histogram, g), expected)
+
+
+def test_log2_histogram_of_float16_subnormals(run):
+    # Every float16 subnormal magnitude k * 2**-24 has exponent
+    # floor(log2 k) - 24: 2**-24 -> -24, 3 * 2**-24 -> -23, 2**-15 -> -15.
+    g = f16([2.0**-24, 3 * 2.0**-24, 2.0**-15, 0.0])
+    expected = np.zeros([len(policy.HISTOGRAM_EXPONENTS)], np.float32)
+    for exponent in (-24, -23, -15):
+        expected[policy.HISTOGRAM_EXPONENTS.index(exponent)] = 0.25
+    assert_exact(run(policy.log2_histogram, g), expected)

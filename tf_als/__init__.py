@@ -15,16 +15,24 @@ tf_als.scales(model)
 ```
 """
 
+from tf_als import callbacks
+from tf_als import plots
 from tf_als.instrument import InstrumentedModel
 from tf_als.instrument import instrument
 from tf_als.instrument import scales
 from tf_als.optimizer import AdaptiveLossScaleOptimizer
+from tf_als.report import Diagnosis
+from tf_als.report import diagnose
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AdaptiveLossScaleOptimizer",
+    "Diagnosis",
     "InstrumentedModel",
+    "callbacks",
+    "diagnose",
     "instrument",
+    "plots",
     "scales",
 ]

@@ -286,10 +286,11 @@ class Backward:
         update, step, backoff = self.should_update(), self.step(), self.backoff()
 
         def choose_and_record():
-            statistics = policy.measure(upstream, controller.underflow_rate)
-            statistics = _across_replicas(statistics)
+            measurement = policy.measure(upstream, controller.underflow_rate)
+            measurement = _across_replicas(measurement)
+            statistics, histogram = policy.split_measurement(measurement)
             scale = policy.choose_scale(
-                policy.GradientStatistics(*tf.unstack(statistics)),
+                statistics,
                 current,
                 controller.max_layer_scale,
                 controller.overflow_margin,
@@ -299,6 +300,7 @@ class Backward:
             assigns = [
                 state.scale.assign(scale),
                 state.record.assign(record),
+                state.histogram.assign(histogram),
                 state.last_update.assign(step),
             ]
             with tf.control_dependencies(assigns):
@@ -309,14 +311,15 @@ class Backward:
         return tf.cond(update, choose_and_record, lambda: tf.identity(current))
 
 
-def _across_replicas(statistics):
+def _across_replicas(measurement):
     """Replicas must agree on every scale: take the max of percentile and
     amax and the mean of the fractions over all replicas."""
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
-        return statistics
-    maxima = context.all_reduce(tf.distribute.ReduceOp.MAX, statistics[:2])
-    means = context.all_reduce(tf.distribute.ReduceOp.MEAN, statistics[2:])
+        return measurement
+    split = policy.MAXIMUM_ENTRIES
+    maxima = context.all_reduce(tf.distribute.ReduceOp.MAX, measurement[:split])
+    means = context.all_reduce(tf.distribute.ReduceOp.MEAN, measurement[split:])
     return tf.concat([maxima, means], 0)
 
 

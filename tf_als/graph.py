@@ -107,6 +107,28 @@ def read(model: keras.Model) -> Plan:
     return builder.finish(model, input_slots, output_slots)
 
 
+def upstream_points(plan: Plan, call: Call) -> list:
+    """Indices of the scaling-point calls whose outputs reach `call`'s
+    inputs through weightless calls only (the points `call` passes its
+    input gradient back to)."""
+    producers = {slot: c.index for c in plan.calls for slot in c.outputs}
+    found, stack, seen = [], list(call.input_slots), set()
+    while stack:
+        slot = stack.pop()
+        if slot in seen:
+            continue
+        seen.add(slot)
+        index = producers.get(slot)
+        if index is None:
+            continue  # A model input.
+        producer = plan.calls[index]
+        if producer.point is not None:
+            found.append(index)
+        else:
+            stack.extend(producer.input_slots)
+    return found
+
+
 def is_flattenable(operation) -> bool:
     """True for models whose graph the plan reads instead of calling them."""
     if isinstance(operation, Sequential):

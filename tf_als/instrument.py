@@ -246,6 +246,13 @@ def _check_plan(plan):
         )
     for call in plan.calls:
         layer = call.operation
+        if isinstance(layer, InstrumentedModel):
+            raise ValueError(
+                f"Model {name!r} contains the instrumented model "
+                f"{layer.name!r} as a layer; its gradients would be scaled "
+                "twice. Build the outer model from the original model "
+                f"(`{layer.name}.model`) and instrument the outer one."
+            )
         if call.point is not None and getattr(layer, "activity_regularizer", None):
             raise ValueError(
                 f"Layer {layer.name!r} has weights and an activity "

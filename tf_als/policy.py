@@ -40,6 +40,10 @@ FLOAT16_MIN_NORMAL = 2.0**-14
 FLOAT16_MIN_SUBNORMAL = 2.0**-24
 # "Near overflow": within a factor of two of the largest float16.
 FLOAT16_NEAR_MAX = FLOAT16_MAX / 2.0
+# Histogram of log2 magnitudes: one bin per binary exponent a float16 can
+# hold, from its smallest subnormal, 2**-24, to 2**15 (smaller or larger
+# float32 values land in the end bins).
+HISTOGRAM_EXPONENTS = tuple(range(-24, FLOAT16_MAX_EXPONENT + 1))
 
 
 class GradientStatistics(NamedTuple):
@@ -204,9 +208,49 @@ def lifts_percentile(statistics: GradientStatistics, scale) -> tf.Tensor:
     )
 
 
+def log2_histogram(gradients) -> tf.Tensor:
+    """Fraction of all elements of `gradients` (pooled) whose magnitude has
+    each binary exponent in `HISTOGRAM_EXPONENTS`: bin i counts the nonzero
+    finite magnitudes in [2**e, 2**(e+1)), e = HISTOGRAM_EXPONENTS[i]; the
+    end bins also take the (float32) magnitudes beyond them. Zeros and
+    non-finite elements are in no bin.
+
+    >>> log2_histogram(tf.constant([0.0, 1.0, 1.5, 2.0**-20], tf.float16)).numpy()[
+    ...     [4, 24]]
+    array([0.25, 0.5 ], dtype=float32)
+    """
+    if not isinstance(gradients, (list, tuple)):
+        gradients = [gradients]
+    magnitudes = [tf.reshape(tf.abs(tf.cast(g, tf.float32)), [-1]) for g in gradients]
+    magnitudes = magnitudes[0] if len(magnitudes) == 1 else tf.concat(magnitudes, 0)
+    return _histogram_of_magnitudes(magnitudes)
+
+
+def _histogram_of_magnitudes(magnitudes):
+    low, high = HISTOGRAM_EXPONENTS[0], HISTOGRAM_EXPONENTS[-1]
+    counted = tf.logical_and(magnitudes > 0.0, tf.math.is_finite(magnitudes))
+    # Exact exponents of float32 normals; smaller values only reach the
+    # lowest bin, where they belong anyway.
+    exponents = _pow2.floor_log2(tf.maximum(magnitudes, 2.0**-126))
+    bins = tf.clip_by_value(exponents, low, high) - low
+    counts = tf.math.unsorted_segment_sum(
+        tf.cast(counted, tf.float32), bins, len(HISTOGRAM_EXPONENTS)
+    )
+    size = tf.maximum(tf.cast(tf.size(magnitudes), tf.float32), 1.0)
+    return counts / size
+
+
+# Layout of the vector `measure` returns: the `GradientStatistics` fields,
+# then the `log2_histogram` bins. Replicas take the maximum of the first
+# two entries and the mean of the rest (all fractions).
+MEASUREMENT_SIZE = len(GradientStatistics._fields) + len(HISTOGRAM_EXPONENTS)
+MAXIMUM_ENTRIES = 2
+
+
 def measure(gradients, underflow_rate) -> tf.Tensor:
-    """`gradient_statistics` of `gradients` (float tensors of any shape,
-    pooled) as a float32 vector of 5, in `GradientStatistics` field order.
+    """`gradient_statistics` and `log2_histogram` of `gradients` (float
+    tensors of any shape, pooled) as one float32 vector of
+    `MEASUREMENT_SIZE`; `split_measurement` takes it apart.
 
     Runs out of line: one function per combination of gradient dtypes,
     traced once per process and called by every scaling point, so a model
@@ -226,6 +270,15 @@ def measure(gradients, underflow_rate) -> tf.Tensor:
     return function(gradients, _as_float64(underflow_rate))
 
 
+def split_measurement(measurement):
+    """`(GradientStatistics, histogram)` from a `measure` vector."""
+    fields = len(GradientStatistics._fields)
+    return (
+        GradientStatistics(*tf.unstack(measurement[:fields])),
+        measurement[fields:],
+    )
+
+
 _MEASURE_FUNCTIONS = {}
 
 
@@ -234,7 +287,8 @@ def _measure(gradients, underflow_rate):
     magnitudes = [tf.abs(tf.cast(g, tf.float32)) for g in gradients]
     if len(magnitudes) > 1:
         magnitudes = [tf.concat(magnitudes, 0)]
-    return tf.stack(_statistics_of_magnitudes(magnitudes[0], underflow_rate))
+    statistics = tf.stack(_statistics_of_magnitudes(magnitudes[0], underflow_rate))
+    return tf.concat([statistics, _histogram_of_magnitudes(magnitudes[0])], 0)
 
 
 def _as_float64(value):

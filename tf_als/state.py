@@ -30,10 +30,13 @@ class ScalingPoint(keras.layers.Layer):
       carry; then the incoming gradient's `percentile`, `amax`,
       `zero_fraction`, `subnormal_fraction` and `near_max_fraction`
       (see `tf_als.policy.GradientStatistics`), aggregated over replicas.
+    - `histogram`: float32 vector, `tf_als.policy.log2_histogram` of the
+      incoming gradient at the last update (one bin per exponent in
+      `tf_als.policy.HISTOGRAM_EXPONENTS`).
     - `last_update`: int64 scalar, the optimizer step of the last update
       (-1 before the first).
 
-    The backward pass writes all three on update steps only. Under
+    The backward pass writes them on update steps only. Under
     `tf.distribute` every replica writes the same, aggregated values, so
     the variables are synchronised on read from the first replica.
 
@@ -54,6 +57,12 @@ class ScalingPoint(keras.layers.Layer):
         self.record = self._state(
             "record", (len(RECORD_FIELDS),), "float32", initial_record
         )
+        self.histogram = self._state(
+            "histogram",
+            (len(policy.HISTOGRAM_EXPONENTS),),
+            "float32",
+            np.zeros([len(policy.HISTOGRAM_EXPONENTS)], np.float32),
+        )
         self.last_update = self._state("last_update", (), "int64", -1)
         self.built = True
 
@@ -69,8 +78,9 @@ class ScalingPoint(keras.layers.Layer):
         )
 
     def read(self):
-        """The current state as plain Python values:
-        `{"scale": float, "last_update": int, <RECORD_FIELDS>: float}`."""
+        """The current state as plain Python values: `{"scale": float,
+        "last_update": int, <RECORD_FIELDS>: float}` (the histogram is
+        `read_histogram()`)."""
         values = {
             "scale": float(keras.ops.convert_to_numpy(self.scale)),
             "last_update": int(keras.ops.convert_to_numpy(self.last_update)),
@@ -80,6 +90,10 @@ class ScalingPoint(keras.layers.Layer):
             {field: float(v) for field, v in zip(RECORD_FIELDS, record)}
         )
         return values
+
+    def read_histogram(self):
+        """The last recorded log2 histogram, as a numpy array."""
+        return keras.ops.convert_to_numpy(self.histogram)
 
     def call(self, inputs):
         raise TypeError(
@@ -94,7 +108,8 @@ class ScalingPoint(keras.layers.Layer):
 
 
 def record_vector(cumulative_scale, statistics):
-    """Packs a cumulative scale and a statistics vector into a record."""
-    return tf.concat(
-        [tf.reshape(tf.cast(cumulative_scale, tf.float32), [1]), statistics], 0
+    """Packs a cumulative scale and `GradientStatistics` into a record."""
+    return tf.stack(
+        [tf.cast(cumulative_scale, tf.float32)]
+        + [tf.cast(v, tf.float32) for v in statistics]
     )

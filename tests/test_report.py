@@ -1,0 +1,119 @@
+"""`tf_als.diagnose`: per-layer underflow and error of Keras's loss scaling
+and of tf_als against float32, and where gradients turn non-finite."""
+
+import keras
+import numpy as np
+import pytest
+from sklearn.datasets import load_digits
+
+import tf_als
+from tests import gradients
+from tests import test_underflow
+
+layers = keras.layers
+
+
+def _digits_batch():
+    digits = load_digits()
+    x = (digits.data[:64] / 16.0).astype("float32")
+    return x, digits.target[:64]
+
+
+def test_flags_exactly_the_layers_that_underflow(mixed, capsys):
+    """The 16-layer sigmoid MLP of test_underflow at initialisation: the
+    report's Keras underflow per layer equals what the inner optimizer of a
+    real LossScaleOptimizer receives (computed independently here), the
+    flagged layers are those above 1%, and tf_als leaves none."""
+    model = test_underflow._build()
+    x, y = _digits_batch()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    report = tf_als.diagnose(model, x, y, loss=loss)
+    assert "tf_als precision report" in capsys.readouterr().out
+
+    keras.mixed_precision.set_global_policy("float32")
+    reference = test_underflow._build()
+    reference.set_weights(model.get_weights())
+    expected = gradients.float32_gradients(reference, x, y, loss)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    optimizer = keras.optimizers.LossScaleOptimizer(gradients.GradientRecorder())
+    received, _ = gradients.applied_gradients(model, optimizer, x, y, loss)
+    assert report.keras_loss_scale == float(optimizer.dynamic_scale)
+
+    flagged = []
+    for row, layer in zip(report.rows, [l for l in model.layers if l.weights]):
+        assert row.layer == layer.name
+        i = [v.path for v in model.trainable_variables].index(layer.kernel.path)
+        got = np.concatenate([received[i].ravel(), received[i + 1].ravel()])
+        truth = np.concatenate([expected[i].ravel(), expected[i + 1].ravel()])
+        flushed = float(np.mean((got == 0) & (truth != 0)))
+        assert row.keras_underflow == pytest.approx(flushed, abs=1e-12)
+        if flushed > 0.01:
+            flagged.append(row.point)
+        assert row.als_underflow <= 0.01
+    assert flagged and report.underflowing(0.01) == flagged
+    assert report.non_finite is None
+
+
+def test_names_the_layer_whose_gradient_overflows(mixed):
+    """`shrink` makes tiny activations and `boom` (kernel x 2000) brings
+    them back, so the forward pass is tame; backwards, boom multiplies the
+    gradient by its large kernel, and at the starting scale 2**15 its input
+    gradient overflows float16 while its incoming gradient and its own
+    weight gradient stay finite."""
+    inputs = keras.Input((16,))
+    x = layers.Dense(32, activation="tanh", name="first")(inputs)
+    x = layers.Dense(32, name="shrink")(x)
+    x = layers.Dense(32, activation="tanh", name="boom")(x)
+    outputs = layers.Dense(4, dtype="float32", name="head")(x)
+    model = keras.Model(inputs, outputs)
+    shrink, boom = model.get_layer("shrink"), model.get_layer("boom")
+    shrink.kernel.assign(shrink.kernel * 1e-3)
+    boom.kernel.assign(boom.kernel * 2000.0)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 16)).astype("float32")
+    y = rng.integers(0, 4, size=(32,))
+    assert np.all(np.isfinite(np.asarray(model(x))))
+    report = tf_als.diagnose(
+        model,
+        x,
+        y,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        verbose=False,
+    )
+    assert report.non_finite is not None
+    assert report.non_finite.startswith("layer 'boom'")
+    assert "input gradient" in report.non_finite
+    assert report.keras_loss_scale < 2.0**15  # Keras backed off to fit.
+    assert "non-finite gradients: layer 'boom'" in str(report)
+
+
+def test_names_the_loss_when_labels_are_not_finite(mixed):
+    model = test_underflow._build()
+    x, _ = _digits_batch()
+    y = np.full((64, 10), np.nan, "float32")
+    report = tf_als.diagnose(
+        model, x, y, loss=keras.losses.CategoricalCrossentropy(from_logits=True),
+        verbose=False,
+    )
+    assert report.non_finite.startswith("before the first scaling point")
+
+
+def test_works_on_an_instrumented_model_without_changing_it(mixed):
+    model = tf_als.instrument(test_underflow._build())
+    for point in model.scaling_points:
+        point.scale.assign(4.0)
+    x, y = _digits_batch()
+    model.compile(
+        optimizer=tf_als.AdaptiveLossScaleOptimizer(keras.optimizers.SGD()),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    report = tf_als.diagnose(model, x, y, verbose=False)  # the compiled loss
+    assert len(report.rows) == len(model.scaling_points)
+    assert set(tf_als.scales(model).values()) == {4.0}
+
+
+def test_needs_a_loss(mixed):
+    model = test_underflow._build()
+    x, y = _digits_batch()
+    with pytest.raises(ValueError, match="loss="):
+        tf_als.diagnose(model, x, y)

@@ -1,0 +1,305 @@
+"""`ScaleHistory`: what the scaler did, per scaling point, for `fit` and
+custom loops, as Python data, Keras logs and TensorBoard summaries.
+
+It only reads: the scaling points' variables (written by the backward pass
+at every scale update) and the optimizer's counters.
+"""
+
+import os
+from typing import Optional
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tf_als.instrument import InstrumentedModel
+from tf_als.optimizer import AdaptiveLossScaleOptimizer
+from tf_als import policy
+from tf_als import state
+
+POINT_QUANTITIES = ("scale",) + state.RECORD_FIELDS
+"""Per point and update: the per-layer scale, the cumulative scale and the
+`tf_als.policy.GradientStatistics` of the incoming gradient."""
+
+GLOBAL_QUANTITIES = ("loss_scale", "skipped_steps")
+"""Per update: the global loss scale S and the number of skipped
+(non-finite) steps so far."""
+
+EPOCH_LOG_KEYS = ("loss_scale", "skipped_steps", "worst_zero_fraction")
+"""What `ScaleHistory` adds to Keras's epoch logs."""
+
+RUN_NAME = "tf_als"
+"""The subdirectory of `log_dir` the summaries go to (a TensorBoard run)."""
+
+POINT_NAMES_TAG = "global/point_names"
+"""A text summary, written once, listing the scaling points' names (one per
+line, in execution order): tags cannot hold `/` in names, this can."""
+
+
+def tag_group(point_name: str) -> str:
+    """The TensorBoard tag group of a scaling point: its name with `/`
+    replaced by `.` (TensorBoard folds tags by their first `/` component, so
+    each layer gets its own fold)."""
+    return point_name.replace("/", ".")
+
+
+def scalar_tags(point_names) -> set:
+    """The exact set of scalar tags `ScaleHistory` writes for these points:
+    `<group>/<quantity>` for every point and `POINT_QUANTITIES` entry, and
+    `global/<quantity>` for every `GLOBAL_QUANTITIES` entry."""
+    tags = {f"global/{q}" for q in GLOBAL_QUANTITIES}
+    for name in point_names:
+        tags.update(f"{tag_group(name)}/{q}" for q in POINT_QUANTITIES)
+    return tags
+
+
+def text_tags() -> set:
+    """The text tags: the point-name list."""
+    return {POINT_NAMES_TAG}
+
+
+def histogram_tags(point_names) -> set:
+    """The histogram tags: `<group>/log2_magnitude` per point."""
+    return {f"{tag_group(name)}/log2_magnitude" for name in point_names}
+
+
+class ScaleHistory(keras.callbacks.Callback):
+    """Records every per-layer scale update, and optionally writes it to
+    TensorBoard.
+
+    At every scale update (each `update_interval` steps, and again when an
+    update step was skipped for non-finite gradients and is retried) it
+    records, per scaling point, `POINT_QUANTITIES`: the per-layer scale, the
+    cumulative scale T_in, the percentile and amax of the incoming gradient,
+    and the fractions of its elements that are exactly zero, float16
+    subnormal, or within a factor 2 of float16's maximum; plus the global
+    loss scale and the number of skipped steps so far.
+
+    `history` holds it as plain Python data:
+
+        {"step": [optimizer step of each update],
+         "loss_scale": [...], "skipped_steps": [...],
+         "points": {point name: {quantity: [...], "histogram": [[...]]}}}
+
+    At the end of each epoch it adds `EPOCH_LOG_KEYS` to Keras's logs
+    (global loss scale, skipped steps so far, and the worst point's zero
+    fraction at the last update), so `History`, `CSVLogger` (listed after
+    this callback) and the progress bar show them.
+
+    With `log_dir`, the same records are written as TensorBoard scalars in
+    the run `<log_dir>/tf_als`, with tags `<layer>/<quantity>` (one fold per
+    layer; `/` in point names becomes `.`) and `global/loss_scale`,
+    `global/skipped_steps`, a text `global/point_names` listing the points'
+    names in execution order, and a histogram `<layer>/log2_magnitude` of the
+    incoming gradient's log2 magnitudes (buckets [e, e+1) for the float16
+    exponents e; zeros are counted in `zero_fraction`). The writer opens at
+    the first write. `keras.callbacks.TensorBoard` may use the same
+    `log_dir`: it writes the runs `train` and `validation`.
+
+    Args:
+        log_dir: str or None. Where to write TensorBoard summaries; None
+            writes none.
+        histograms: bool, default True. Also write the log2 histograms.
+
+    Example:
+
+    ```python
+    history = tf_als.callbacks.ScaleHistory(log_dir="logs")
+    model.fit(x, y, epochs=5, callbacks=[history,
+                                         keras.callbacks.TensorBoard("logs")])
+    history.history["points"]["dense"]["scale"]   # [8.0, 8.0, 16.0, ...]
+    ```
+
+    In a custom loop, call `callback.set_model(model)` once and
+    `callback.record_step(steps=1)` after each optimizer step.
+    """
+
+    def __init__(self, log_dir: Optional[str] = None, histograms: bool = True):
+        super().__init__()
+        if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
+            raise TypeError(
+                "`log_dir` must be a path (str) or None; received "
+                f"{log_dir!r}."
+            )
+        if not isinstance(histograms, bool):
+            raise TypeError(
+                f"`histograms` must be True or False; received {histograms!r}."
+            )
+        self.log_dir = None if log_dir is None else os.fspath(log_dir)
+        self.histograms = histograms
+        self._writer = None
+        self._reset()
+
+    # -- state ----------------------------------------------------------
+
+    def _reset(self):
+        self.history = {
+            "step": [],
+            "loss_scale": [],
+            "skipped_steps": [],
+            "points": {},
+        }
+        self.skipped_steps = 0
+        self._last_seen = None
+        self._iterations_before = None
+        self._batch_before = None
+
+    def set_model(self, model):
+        if not isinstance(model, InstrumentedModel):
+            raise TypeError(
+                "ScaleHistory needs a model returned by tf_als.instrument(); "
+                f"received {type(model).__name__} "
+                f"{getattr(model, 'name', model)!r}."
+            )
+        super().set_model(model)
+        self.history["points"] = {
+            p.point_name: {q: [] for q in POINT_QUANTITIES + ("histogram",)}
+            for p in model.scaling_points
+        }
+
+    @property
+    def _optimizer(self):
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is None:
+            linked = getattr(self.model, "_tf_als_optimizer", None)
+            optimizer = linked() if linked is not None else None
+        if not isinstance(optimizer, AdaptiveLossScaleOptimizer):
+            raise ValueError(
+                f"Model {self.model.name!r} has no "
+                "tf_als.AdaptiveLossScaleOptimizer yet: compile it with one "
+                "(or, in a custom loop, call optimizer.scale_loss before "
+                "record_step)."
+            )
+        return optimizer
+
+    # -- Keras hooks -------------------------------------------------------
+
+    def on_train_begin(self, logs=None):
+        self._writer = None
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._iterations_before = _read_int(self._optimizer.iterations)
+        self._batch_before = batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        steps = 1
+        if self._batch_before is not None:
+            steps = batch - self._batch_before + 1
+        self._observe(steps)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is None:
+            return
+        optimizer = self._optimizer
+        logs["loss_scale"] = float(_read_float(optimizer.dynamic_scale))
+        logs["skipped_steps"] = self.skipped_steps
+        zero = [
+            values["zero_fraction"][-1]
+            for values in self.history["points"].values()
+            if values["zero_fraction"]
+        ]
+        logs["worst_zero_fraction"] = max(zero) if zero else 0.0
+
+    def on_train_end(self, logs=None):
+        if self._writer is not None:
+            self._writer.flush()
+
+    # -- custom loops ------------------------------------------------------
+
+    def record_step(self, steps: int = 1):
+        """For custom training loops: call after each `optimizer.apply`
+        (after `set_model(model)` once). `steps` is how many optimizer steps
+        ran since the last call."""
+        if self.model is None:
+            raise ValueError(
+                "Call `set_model(model)` before `record_step()` (fit does "
+                "this itself)."
+            )
+        self._observe(steps)
+
+    # -- recording ---------------------------------------------------------
+
+    def _observe(self, steps):
+        """After `steps` optimizer steps: count skipped steps, and record
+        the scaling points if an update happened during them (each update
+        writes its step into `last_update`, a retried one the same step)."""
+        optimizer = self._optimizer
+        iterations = _read_int(optimizer.iterations)
+        before = self._iterations_before
+        if before is not None:
+            self.skipped_steps += max(steps - (iterations - before), 0)
+        self._iterations_before = iterations
+        self._batch_before = None
+        last = _read_int(self.model.scaling_points[0].last_update)
+        if before is None:
+            happened = last >= 0 and last != self._last_seen
+        else:
+            happened = last >= before
+        if happened:
+            self._last_seen = last
+            self._record(last, optimizer)
+
+    def _record(self, step, optimizer):
+        loss_scale = float(_read_float(optimizer.dynamic_scale))
+        self.history["step"].append(step)
+        self.history["loss_scale"].append(loss_scale)
+        self.history["skipped_steps"].append(self.skipped_steps)
+        rows = []
+        for point in self.model.scaling_points:
+            values = point.read()
+            histogram = point.read_histogram()
+            target = self.history["points"][point.point_name]
+            for quantity in POINT_QUANTITIES:
+                target[quantity].append(values[quantity])
+            target["histogram"].append([float(v) for v in histogram])
+            rows.append((point.point_name, values, histogram))
+        if self.log_dir is not None:
+            self._write(step, loss_scale, rows)
+
+    def _write(self, step, loss_scale, rows):
+        first = self._writer is None
+        if first:
+            self._writer = tf.summary.create_file_writer(
+                os.path.join(self.log_dir, RUN_NAME)
+            )
+        with self._writer.as_default(step=step):
+            if first:
+                tf.summary.text(
+                    POINT_NAMES_TAG, "\n".join(name for name, _, _ in rows)
+                )
+            tf.summary.scalar("global/loss_scale", loss_scale)
+            tf.summary.scalar("global/skipped_steps", self.skipped_steps)
+            for name, values, histogram in rows:
+                group = tag_group(name)
+                for quantity in POINT_QUANTITIES:
+                    tf.summary.scalar(f"{group}/{quantity}", values[quantity])
+                if self.histograms:
+                    _write_histogram(f"{group}/log2_magnitude", histogram, step)
+
+
+def _write_histogram(tag, fractions, step):
+    """A TensorBoard histogram from precomputed buckets [e, e+1) per float16
+    exponent e (the histogram plugin's [left, right, count] tensor)."""
+    from tensorboard.plugins.histogram import metadata
+
+    exponents = np.asarray(policy.HISTOGRAM_EXPONENTS, np.float64)
+    buckets = np.stack(
+        [exponents, exponents + 1.0, np.asarray(fractions, np.float64)], axis=1
+    )
+    tf.summary.write(
+        tag,
+        tensor=tf.constant(buckets, tf.float64),
+        step=step,
+        metadata=metadata.create_summary_metadata(
+            display_name=tag,
+            description="fraction of gradient elements per log2 magnitude",
+        ),
+    )
+
+
+def _read_int(variable):
+    return int(keras.ops.convert_to_numpy(variable))
+
+
+def _read_float(variable):
+    return float(keras.ops.convert_to_numpy(variable))
