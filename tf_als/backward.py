@@ -285,9 +285,30 @@ class Backward:
         # Made outside the branch so that later points can reuse them.
         update, step, backoff = self.should_update(), self.step(), self.backoff()
 
+        def measure():
+            return policy.measure(upstream, controller.underflow_rate)
+
+        if _replicas_in_sync() > 1:
+            # Replicas must agree, so they exchange their measurements, and
+            # not inside the branch below: Mirrored and MultiWorkerMirrored
+            # strategies make a replica-context collective a `merge_call`
+            # (unless XLA compiles for GPUs only), and a `merge_call` in a
+            # `tf.cond` branch fails to trace ("`merge_call` called while
+            # defining a new graph"). So each replica measures on update
+            # steps (zeros otherwise) and the small vector is exchanged on
+            # every step; the branch only uses the result. One replica
+            # (the default strategy included) keeps the original path.
+            measured = _across_replicas(
+                tf.cond(
+                    update,
+                    measure,
+                    lambda: tf.zeros([policy.MEASUREMENT_SIZE], tf.float32),
+                )
+            )
+            measure = lambda: measured  # noqa: E731
+
         def choose_and_record():
-            measurement = policy.measure(upstream, controller.underflow_rate)
-            measurement = _across_replicas(measurement)
+            measurement = measure()
             statistics, histogram = policy.split_measurement(measurement)
             scale = policy.choose_scale(
                 statistics,
@@ -311,15 +332,35 @@ class Backward:
         return tf.cond(update, choose_and_record, lambda: tf.identity(current))
 
 
+def _replicas_in_sync():
+    context = tf.distribute.get_replica_context()
+    return 1 if context is None else context.num_replicas_in_sync
+
+
 def _across_replicas(measurement):
     """Replicas must agree on every scale: take the max of percentile and
-    amax and the mean of the fractions over all replicas."""
+    amax and the mean of the fractions over all replicas (every replica
+    holds an equal share of the global batch, so the mean of its fractions
+    is the global batch's fraction).
+
+    `tf.distribute.ReduceOp` has no MAX (only SUM and MEAN), so the vectors
+    are all-gathered and reduced here; every replica reduces the same
+    gathered values, so all get the same result. Called in a replica
+    context with more than one replica in sync."""
     context = tf.distribute.get_replica_context()
-    if context is None or context.num_replicas_in_sync == 1:
-        return measurement
+    replicas = context.num_replicas_in_sync
+    gathered = context.all_gather(measurement[tf.newaxis], axis=0)
+    gathered = tf.reshape(gathered, [replicas, policy.MEASUREMENT_SIZE])
     split = policy.MAXIMUM_ENTRIES
-    maxima = context.all_reduce(tf.distribute.ReduceOp.MAX, measurement[:split])
-    means = context.all_reduce(tf.distribute.ReduceOp.MEAN, measurement[split:])
+    maxima = gathered[:, :split]
+    # A NaN amax (or percentile) on any replica stays NaN, as it would on a
+    # single device (which keeps the scale); a max reduction may drop NaN.
+    maxima = tf.where(
+        tf.reduce_any(tf.math.is_nan(maxima), 0),
+        tf.constant(float("nan")),
+        tf.reduce_max(maxima, 0),
+    )
+    means = tf.reduce_mean(gathered[:, split:], 0)
     return tf.concat([maxima, means], 0)
 
 

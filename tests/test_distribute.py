@@ -1,0 +1,244 @@
+"""Training under `tf.distribute.MirroredStrategy` on two logical CPU
+devices, with `fit` and with a custom loop (`strategy.run` of a step doing
+GradientTape, `optimizer.scale_loss` and `optimizer.apply`), compared with
+the same training on a single device.
+
+Logical devices must be configured before TensorFlow initialises its
+devices, which this process did long ago, so each scenario runs in its own
+process (`tests/distributed_run.py`; both start at once and run side by
+side), which trains the single-device reference and the mirrored run from
+the same initial weights on the same global batches (shuffle=False, SGD)
+and prints JSON.
+
+The model (Dense, synchronized BatchNormalization, a residual fork, a
+float32 head) is trained on a loss multiplied by 2**-12 with
+`update_interval=2` and `max_layer_scale=8`, so that the per-layer scales
+leave 1, differ between points and change during the run.
+
+`test_multi_worker_custom_loop` (marked slow) runs the custom loop under
+MultiWorkerMirroredStrategy: two worker processes on 127.0.0.1.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODES = ("fit", "loop")
+REPLICAS = 2
+STEPS = 6
+INTERVAL = 2
+# Each process needs ~20 s of CPU (TensorFlow's import and the first trace of
+# each run dominate); the bound leaves room for a loaded machine.
+TIMEOUT = 300
+
+# Final weights: |mirrored - single| <= WEIGHT_TOLERANCE * max |single -
+# initial|, per variable, i.e. relative to how far the variable moved (the
+# initial weights are identical, so only the updates can differ). The runs
+# differ only by float16 rounding: each replica's layer computes its float16
+# weight-gradient sums (and input gradients) over its half batch, rounded to
+# float16 (relative error up to 2**-11 ~ 4.9e-4) before the float32 sum over
+# replicas, where the single device rounds the sum over the whole batch once;
+# synchronized BatchNormalization likewise sums its statistics in another
+# order. Six steps carry those roundings into the weights (and BN's moving
+# statistics). Measured (2 replicas, TF 2.21 CPU): max difference 1.9e-4
+# (dense/kernel, whose update reaches 0.24), 8.1e-4 of the update, identical
+# for fit and the custom loop; 4.8e-4 to 9.3e-4 over three other data seeds.
+# 2**-8 ~ 3.9e-3 leaves a factor of four; a real error, such as a gradient
+# off by a power of two (a loss not divided by the replica count, a wrong
+# unscale), changes an update by 50% or more.
+WEIGHT_TOLERANCE = 2.0**-8
+
+
+def _start(*args):
+    """Starts `python -m tests.distributed_run *args`; its output goes to
+    temporary files (no pipe to drain while waiting on the others)."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("TF_CONFIG", None)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    )
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.distributed_run", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=out,
+        stderr=err,
+        text=True,
+    )
+    return process, out, err
+
+
+def _collect(started):
+    """`{key: JSON result, or a str saying how the process failed}` of
+    `{key: _start(...)}`. Waits at most TIMEOUT, and stops waiting as soon
+    as one process fails (a multi-worker peer would wait for it forever);
+    kills whatever still runs."""
+    deadline = time.monotonic() + TIMEOUT
+    try:
+        while time.monotonic() < deadline:
+            codes = [process.poll() for process, _, _ in started.values()]
+            if None not in codes or any(c not in (None, 0) for c in codes):
+                break
+            time.sleep(0.1)
+        results = {}
+        for key, (process, out, err) in started.items():
+            code = process.poll()
+            if code is None:
+                results[key] = (
+                    f"was killed (not done after {TIMEOUT} s, or a peer failed)"
+                )
+            elif code != 0:
+                err.seek(0)
+                results[key] = f"exited with {code}:\n{err.read()[-6000:]}"
+            else:
+                out.seek(0)
+                results[key] = json.loads(out.read().strip().splitlines()[-1])
+        return results
+    finally:
+        for process, out, err in started.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+            out.close()
+            err.close()
+
+
+@pytest.fixture(scope="module")
+def scenarios():
+    """Both scenarios, run side by side."""
+    return _collect(
+        {mode: _start(mode, "--replicas", str(REPLICAS)) for mode in MODES}
+    )
+
+
+@pytest.fixture(params=MODES)
+def run(request, scenarios):
+    result = scenarios[request.param]
+    if isinstance(result, str):
+        pytest.fail(f"{request.param} scenario {result}")
+    return result
+
+
+def test_runs_on_two_replicas(run):
+    assert run["replicas"] == REPLICAS
+    assert len(run["devices"]) == REPLICAS
+    for key in ("single", "mirrored"):
+        assert run[key]["iterations"] == STEPS
+        assert len(run[key]["per_step"]) == STEPS
+
+
+def test_every_replica_uses_the_same_scales_at_every_step(run):
+    _check_replicas_agree(run)
+
+
+def test_scales_equal_the_single_device_run(run):
+    _check_scales(run)
+
+
+def test_weights_equal_the_single_device_run(run):
+    _check_weights(run)
+
+
+@pytest.mark.slow
+def test_multi_worker_custom_loop():
+    """MultiWorkerMirroredStrategy: two worker processes (one CPU replica
+    each) on 127.0.0.1, the custom loop. (Keras 3's `fit` does not run under
+    MultiWorkerMirroredStrategy at all, even for a plain model: "Attempt to
+    convert a value (PerReplica...)", keras-team/keras#20585.)"""
+    sockets = [socket.socket() for _ in range(REPLICAS)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    workers = ",".join(f"127.0.0.1:{s.getsockname()[1]}" for s in sockets)
+    for s in sockets:
+        s.close()
+    results = _collect(
+        {
+            index: _start("loop", "--workers", workers, "--index", str(index))
+            for index in range(REPLICAS)
+        }
+    )
+    for index, result in results.items():
+        if isinstance(result, str):
+            pytest.fail(f"worker {index} {result}")
+    chief = results[0]
+    assert chief["replicas"] == REPLICAS
+    assert chief["mirrored"]["iterations"] == STEPS
+    # Every worker holds one replica: gather them as one run's replicas.
+    per_step = [
+        [
+            {
+                name: [
+                    results[i]["mirrored"]["per_step"][step][k][name][0]
+                    for i in range(REPLICAS)
+                ]
+                for name in ("scale", "record", "last_update")
+            }
+            for k in range(len(chief["mirrored"]["per_step"][step]))
+        ]
+        for step in range(STEPS)
+    ]
+    run = dict(chief, mirrored=dict(chief["mirrored"], per_step=per_step))
+    _check_replicas_agree(run)
+    _check_scales(run)
+    _check_weights(run)
+    for index in range(1, REPLICAS):
+        assert results[index]["mirrored"]["weights"] == chief["mirrored"]["weights"]
+
+
+def _check_replicas_agree(run):
+    single, mirrored = run["single"]["per_step"], run["mirrored"]["per_step"]
+    assert len(mirrored) == len(single) == STEPS
+    for step, (reference, points) in enumerate(zip(single, mirrored)):
+        for k, (expected, point) in enumerate(zip(reference, points)):
+            where = f"step {step}, point {k}"
+            for name in ("scale", "record", "last_update"):
+                values = point[name]
+                assert len(values) == REPLICAS, where
+                assert all(v == values[0] for v in values), (where, name, values)
+            # Updated on steps 0, 2, 4, and to the single device's scale.
+            assert point["last_update"][0] == step - step % INTERVAL, where
+            assert point["scale"][0] == expected["scale"][0], where
+            assert point["record"][0][0] == expected["record"][0][0], where
+
+
+def _check_scales(run):
+    single, mirrored = run["single"], run["mirrored"]
+    assert mirrored["scales"] == single["scales"]
+    # The scales left 1 at more than one point (so the fork around the
+    # residual rescales), and they changed during the run.
+    assert sum(s > 1.0 for s in mirrored["scales"].values()) >= 2
+    first = [p["scale"][0] for p in mirrored["per_step"][0]]
+    assert first != list(mirrored["scales"].values())
+    assert [s["cumulative_scale"] for s in mirrored["states"]] == [
+        s["cumulative_scale"] for s in single["states"]
+    ]
+    assert {s["last_update"] for s in mirrored["states"]} == {4}
+    assert mirrored["dynamic_scale"] == single["dynamic_scale"]
+    assert mirrored["iterations"] == single["iterations"] == STEPS
+
+
+def _check_weights(run):
+    single, mirrored = run["single"], run["mirrored"]
+    names = single["weight_names"]
+    assert mirrored["weight_names"] == names
+    for name, initial, expected, actual in zip(
+        names, run["initial_weights"], single["weights"], mirrored["weights"]
+    ):
+        initial, expected, actual = (
+            np.asarray(w, np.float32) for w in (initial, expected, actual)
+        )
+        moved = np.abs(expected - initial).max()
+        # Every variable moved well beyond the tolerance's reach.
+        assert moved > 1e-3, name
+        np.testing.assert_allclose(
+            actual, expected, rtol=0, atol=WEIGHT_TOLERANCE * moved, err_msg=name
+        )
