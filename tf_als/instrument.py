@@ -114,6 +114,12 @@ class InstrumentedModel(keras.Model):
             state.ScalingPoint(point_name=name, name=_variable_name(name))
             for name in plan.point_names
         ]
+        # Keras keeps the list as its own list type, which tf.train.Checkpoint
+        # does not follow, and nothing else refers to the points: track each
+        # one by position (names change when a model is rebuilt in the same
+        # process; positions follow the plan and do not).
+        for index, point in enumerate(self.scaling_points):
+            self._track_trackable(point, name=f"scaling_point_{index}")
         functional = graph.functional_of(model)
         if hasattr(functional, "output_names"):
             self.output_names = list(functional.output_names)
@@ -149,6 +155,16 @@ class InstrumentedModel(keras.Model):
         super().compile(optimizer, *args, **kwargs)
         if optimizer is not None:
             link.bind(self, optimizer)
+
+    def compile_from_config(self, config):
+        # Keras skips compiling on load when `compile` is overridden; ours
+        # only validates and links, so compile as Keras would and build the
+        # optimizer, whose saved variables (global scale, counters, slots)
+        # are loaded next.
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if self.built and getattr(self, "optimizer", None) is not None:
+            self.optimizer.build(self.trainable_variables)
 
     def get_config(self):
         return {
