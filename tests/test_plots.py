@@ -3,7 +3,6 @@ map has one row per scaling point, from a callback or from a log dir."""
 
 import struct
 
-import keras
 import numpy as np
 import pytest
 

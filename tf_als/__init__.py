@@ -16,6 +16,7 @@ tf_als.scales(model)
 """
 
 from tf_als import callbacks
+from tf_als import datasets
 from tf_als import plots
 from tf_als.instrument import InstrumentedModel
 from tf_als.instrument import instrument
@@ -31,6 +32,7 @@ __all__ = [
     "Diagnosis",
     "InstrumentedModel",
     "callbacks",
+    "datasets",
     "diagnose",
     "instrument",
     "plots",
