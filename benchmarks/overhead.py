@@ -9,17 +9,28 @@ Keras's in the same mode.
 Timing: all variants of one mode live in one process and train in
 alternating chunks of `--chunk` steps (a multiple of 100, so every chunk of
 every variant holds the same number of scale updates), after a warm-up
-that compiles them; a step's time is the chunk's wall time divided by its
-steps, and each variant's time is the mean over `--rounds` chunks.
+that compiles them (and runs the first scale update). A chunk's time is
+the wall time from the end of its first batch to the end of its last (fit's
+set-up and tear-down, several seconds per call and the same for every
+variant, and a possible retrace in the first batch are left out); a
+variant's step time is the total over `--rounds` chunks divided by the
+steps timed (each chunk's update step is among them).
+
+"update +ms" is how much longer a tf_als scale-update step takes on average
+than Keras's median step, and "from updates" the ratio that cost alone
+implies at the variant's interval, 1 + update_ms / (interval * keras_ms).
+Steps without an update cost the same with and without tf_als, so on a busy
+machine, where whole chunks drift by more than the overhead, that column
+is the steadier estimate.
 
 Memory: each variant trains in a fresh subprocess; a thread samples the
 process's resident set size every 2 ms during the timed steps (after
 compilation), and the peak is reported, with its ratio to Keras's. The
-TensorFlow runtime itself is most of that number, so the ratio is an upper
-bound on nothing but what a user's machine sees.
+TensorFlow runtime itself is most of that number; the ratio is what a
+user's process sees, not the ratio of tensor memory alone.
 
-    python benchmarks/overhead.py            # full run (~15 min on 2 cores)
-    python benchmarks/overhead.py --quick    # smoke run (~3 min)
+    python benchmarks/overhead.py            # full run (~30 min on 2 quiet cores)
+    python benchmarks/overhead.py --quick    # XLA off, one round (~10 min)
 """
 
 import argparse
@@ -87,30 +98,86 @@ def data(batch, steps):
     return x, y
 
 
-def train(model, x, y, batch):
-    start = time.perf_counter()
-    model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
-    return time.perf_counter() - start
+class StepTimer:
+    """Times the steps of one `fit` call: the wall time from the first
+    batch's start to the last batch's end (fit's own set-up and tear-down,
+    the same for every variant and noisy, are left out), and each step's
+    duration with whether it was a scale-update step."""
+
+    def __init__(self, keras, interval):
+        timer = self
+
+        class Callback(keras.callbacks.Callback):
+            def on_train_batch_begin(self, batch, logs=None):
+                step = int(self.model.optimizer.iterations.numpy())
+                timer.updates.append(interval > 0 and step % interval == 0)
+                timer.starts.append(time.perf_counter())
+
+            def on_train_batch_end(self, batch, logs=None):
+                timer.ends.append(time.perf_counter())
+
+        self.callback = Callback()
+        self.starts, self.ends, self.updates = [], [], []
+
+    @property
+    def seconds(self):
+        """From the end of the first batch to the end of the last: the first
+        batch of a `fit` call may retrace the train function."""
+        return self.ends[-1] - self.ends[0]
+
+    @property
+    def steps(self):
+        return len(self.ends) - 1
+
+    def step_seconds(self, update):
+        return [
+            end - start
+            for start, end, is_update in zip(self.starts, self.ends, self.updates)
+            if is_update == update
+        ]
+
+
+def interval_of(variant):
+    return 0 if variant == "keras" else int(variant.split("_")[1])
+
+
+def train(model, x, y, batch, variant):
+    import keras
+
+    timer = StepTimer(keras, interval_of(variant))
+    model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,
+              callbacks=[timer.callback])
+    return timer
 
 
 def time_mode(jit_compile, args):
+    """Mean seconds per step of each variant, and how much longer its
+    update steps take on average than Keras's median step."""
+    import numpy as np
+
     models = {v: make(v, jit_compile) for v in VARIANTS}
     x, y = data(args.batch, args.chunk)
-    for model in models.values():  # compile
-        train(model, x[: 2 * args.batch], y[: 2 * args.batch], args.batch)
-    times = {v: [] for v in VARIANTS}
+    for variant, model in models.items():  # compile; the first update runs
+        train(model, x[: 2 * args.batch], y[: 2 * args.batch], args.batch,
+              variant)
+    timers = {v: [] for v in VARIANTS}
     for _ in range(args.rounds):
         for variant, model in models.items():
-            seconds = train(model, x, y, args.batch)
-            times[variant].append(seconds / args.chunk)
-    return {v: sum(t) / len(t) for v, t in times.items()}
+            timers[variant].append(train(model, x, y, args.batch, variant))
+    plain = np.median([s for t in timers["keras"] for s in t.step_seconds(False)])
+    times, extra = {}, {}
+    for variant, runs in timers.items():
+        times[variant] = sum(t.seconds for t in runs) / sum(t.steps for t in runs)
+        updates = [s for t in runs for s in t.step_seconds(True)]
+        extra[variant] = float(np.mean(updates) - plain) if updates else 0.0
+    return times, extra
 
 
 def peak_memory(variant, jit_compile, args):
     """Runs in a subprocess: peak RSS (MiB) while training `--chunk` steps."""
     model = make(variant, jit_compile)
     x, y = data(args.batch, args.chunk)
-    train(model, x[: 2 * args.batch], y[: 2 * args.batch], args.batch)
+    train(model, x[: 2 * args.batch], y[: 2 * args.batch], args.batch, variant)
     peak = [0]
     done = threading.Event()
 
@@ -124,7 +191,7 @@ def peak_memory(variant, jit_compile, args):
 
     sampler = threading.Thread(target=sample)
     sampler.start()
-    train(model, x, y, args.batch)
+    train(model, x, y, args.batch, variant)
     done.set()
     sampler.join()
     return peak[0] / 1024.0
@@ -139,6 +206,8 @@ def main():
                         help="timed chunks per variant")
     parser.add_argument("--quick", action="store_true",
                         help="one round, XLA off only")
+    parser.add_argument("--no-memory", action="store_true",
+                        help="skip the peak-memory subprocesses")
     parser.add_argument("--memory-of", nargs=2, metavar=("VARIANT", "JIT"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -154,9 +223,9 @@ def main():
 
     rows = []
     for jit in modes:
-        times = time_mode(jit, args)
-        memory = {}
-        for variant in VARIANTS:
+        times, extra = time_mode(jit, args)
+        memory = {v: float("nan") for v in VARIANTS}
+        for variant in () if args.no_memory else VARIANTS:
             out = subprocess.run(
                 [sys.executable, __file__, "--memory-of", variant,
                  "1" if jit else "0", "--batch", str(args.batch),
@@ -167,17 +236,19 @@ def main():
         for variant in VARIANTS:
             rows.append((
                 "on" if jit else "off", variant, times[variant] * 1000,
-                times[variant] / times["keras"], memory[variant],
-                memory[variant] / memory["keras"],
+                times[variant] / times["keras"], extra[variant] * 1000,
+                1 + extra[variant] / (max(interval_of(variant), 1) * times["keras"]),
+                memory[variant], memory[variant] / memory["keras"],
             ))
     print(f"\nResidual CNN, batch {args.batch}, 16x16x3, mixed_float16, "
           f"{args.rounds} x {args.chunk} timed steps per variant")
     print(f"{'XLA':>4} {'variant':>10} {'ms/step':>9} {'time ratio':>11} "
-          f"{'peak MiB':>9} {'mem ratio':>10}")
-    for xla, variant, ms, ratio, mib, mratio in rows:
+          f"{'update +ms':>11} {'from updates':>13} {'peak MiB':>9} "
+          f"{'mem ratio':>10}")
+    for xla, variant, ms, ratio, extra_ms, estimate, mib, mratio in rows:
         name = "keras LSO" if variant == "keras" else "tf_als " + variant[4:]
-        print(f"{xla:>4} {name:>10} {ms:9.1f} {ratio:11.3f} {mib:9.0f} "
-              f"{mratio:10.3f}")
+        print(f"{xla:>4} {name:>10} {ms:9.1f} {ratio:11.3f} {extra_ms:11.0f} "
+              f"{estimate:13.3f} {mib:9.0f} {mratio:10.3f}")
 
 
 if __name__ == "__main__":
