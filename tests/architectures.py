@@ -138,6 +138,24 @@ def _tokens(batch=16, length=12, vocabulary=50, classes=5, seed=0):
     return x, y
 
 
+def integer_inputs():
+    """Integer-only inputs straight into a Dense layer (Keras casts them to
+    float16): no input gradient exists; the layers' weights still need
+    scaled gradients. (Token ids into Embedding: `transformer`.)"""
+    counts = keras.Input((16,), dtype="int32")
+    x = layers.Dense(32, activation="relu")(counts)
+    x = layers.Dense(32, activation="relu")(x)
+    outputs = layers.Dense(10, dtype="float32")(x)
+    return keras.Model(counts, outputs, name="integer_inputs")
+
+
+def _counts(batch=32, features=16, classes=10, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, 4, size=(batch, features)).astype("int32")
+    y = rng.integers(0, classes, size=(batch,))
+    return x, y
+
+
 def lstm():
     inputs = keras.Input((10, 8))
     x = layers.LSTM(24, return_sequences=True)(inputs)
@@ -241,6 +259,7 @@ CASES = (
     Case("shared_layer", shared_layer, _vectors, _classification_loss()),
     Case("nested", nested, _vectors, _classification_loss()),
     Case("two_in_two_out", two_in_two_out, _two_in_two_out_data, _TwoHeadLoss()),
+    Case("integer_inputs", integer_inputs, _counts, _classification_loss()),
     Case(
         "resnet50",
         resnet50,

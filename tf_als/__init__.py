@@ -18,12 +18,14 @@ tf_als.scales(model)
 from tf_als import callbacks
 from tf_als import datasets
 from tf_als import plots
+from tf_als import storm
 from tf_als.instrument import InstrumentedModel
 from tf_als.instrument import instrument
 from tf_als.instrument import scales
 from tf_als.optimizer import AdaptiveLossScaleOptimizer
 from tf_als.report import Diagnosis
 from tf_als.report import diagnose
+from tf_als.storm import NonFiniteStormError
 
 __version__ = "0.1.0"
 
@@ -31,10 +33,12 @@ __all__ = [
     "AdaptiveLossScaleOptimizer",
     "Diagnosis",
     "InstrumentedModel",
+    "NonFiniteStormError",
     "callbacks",
     "datasets",
     "diagnose",
     "instrument",
     "plots",
     "scales",
+    "storm",
 ]

@@ -1,5 +1,7 @@
 """`ScaleHistory`: what the scaler did, per scaling point, for `fit` and
-custom loops, as Python data, Keras logs and TensorBoard summaries.
+custom loops, as Python data, Keras logs and TensorBoard summaries; and
+`NonFiniteGuard` (defined in `tf_als.storm`), which stops a run whose steps
+are all skipped.
 
 It only reads: the scaling points' variables (written by the backward pass
 at every scale update) and the optimizer's counters.
@@ -16,6 +18,9 @@ from tf_als.instrument import InstrumentedModel
 from tf_als.optimizer import AdaptiveLossScaleOptimizer
 from tf_als import policy
 from tf_als import state
+from tf_als import storm
+
+NonFiniteGuard = storm.NonFiniteGuard  # Defined with the error it raises.
 
 POINT_QUANTITIES = ("scale",) + state.RECORD_FIELDS
 """Per point and update: the per-layer scale, the cumulative scale and the

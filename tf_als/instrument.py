@@ -13,6 +13,7 @@ from tf_als import graph
 from tf_als import link
 from tf_als import optimizer as optimizer_module
 from tf_als import state
+from tf_als import storm
 
 
 def instrument(model: keras.Model) -> "InstrumentedModel":
@@ -156,6 +157,18 @@ class InstrumentedModel(keras.Model):
         if optimizer is not None:
             link.bind(self, optimizer)
 
+    def fit(self, *args, **kwargs):
+        """`keras.Model.fit`, plus a `tf_als.callbacks.NonFiniteGuard` (unless
+        one is given) so that a run whose steps are all skipped stops with a
+        `NonFiniteStormError` (see `max_consecutive_skips`)."""
+        position = 5  # fit(x, y, batch_size, epochs, verbose, callbacks, ...)
+        if len(args) > position:
+            args = list(args)
+            args[position] = _with_guard(args[position])
+        else:
+            kwargs["callbacks"] = _with_guard(kwargs.get("callbacks"))
+        return super().fit(*args, **kwargs)
+
     def compile_from_config(self, config):
         # Keras skips compiling on load when `compile` is overridden; ours
         # only validates and links, so compile as Keras would and build the
@@ -180,6 +193,15 @@ class InstrumentedModel(keras.Model):
             config.pop("model"), custom_objects=custom_objects
         )
         return cls(model, **config)
+
+
+def _with_guard(callbacks):
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks = callbacks.callbacks
+    callbacks = list(callbacks or [])
+    if not any(isinstance(c, storm.NonFiniteGuard) for c in callbacks):
+        callbacks.append(storm.NonFiniteGuard())
+    return callbacks
 
 
 def _run(plan, points, inputs, training, mask, find_controller):

@@ -9,6 +9,9 @@ import tensorflow as tf
 
 from tf_als import link
 from tf_als import policy
+from tf_als import storm
+
+DEFAULT_MAX_CONSECUTIVE_SKIPS = 32
 
 
 @keras.saving.register_keras_serializable(package="tf_als")
@@ -55,6 +58,15 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         overflow_margin: float, power of two in [1, 2**15], default 2**12.
             Headroom kept between a scaled gradient's maximum and float16's
             maximum, for growth inside the layer's own backward pass.
+        max_consecutive_skips: int >= 1 or None, default 32. After this many
+            consecutive steps skipped for non-finite gradients, training
+            stops with a `tf_als.storm.NonFiniteStormError` that names the
+            layer whose weight gradient was first non-finite at the first
+            skipped step (32 halvings take the default scale 2**15 down to
+            2**-17; a healthy run needs a handful). `fit` on an instrumented
+            model and eager loops check on their own; compiled custom loops
+            call `check_skips()` after each step. None never stops, as
+            Keras's `LossScaleOptimizer`.
         name: str, optional name.
 
     Example:
@@ -84,6 +96,7 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         underflow_rate: float = 0.01,
         max_layer_scale: float = 2.0**15,
         overflow_margin: float = 2.0**12,
+        max_consecutive_skips: int | None = DEFAULT_MAX_CONSECUTIVE_SKIPS,
         name: str | None = None,
         **kwargs,
     ):
@@ -102,6 +115,8 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             )
         _check_power_of_two("max_layer_scale", max_layer_scale)
         _check_power_of_two("overflow_margin", overflow_margin)
+        if max_consecutive_skips is not None:
+            _check_int("max_consecutive_skips", max_consecutive_skips, none_allowed=True)
         super().__init__(
             inner_optimizer,
             initial_scale=initial_scale,
@@ -113,6 +128,90 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.underflow_rate = float(underflow_rate)
         self.max_layer_scale = float(max_layer_scale)
         self.overflow_margin = float(overflow_margin)
+        self.max_consecutive_skips = (
+            None if max_consecutive_skips is None else int(max_consecutive_skips)
+        )
+        self._finite_flags = None
+
+    def build(self, var_list):
+        super().build(var_list)
+        # Steps skipped in a row, and at the first of them [index of the
+        # trainable variable closest to the loss whose gradient was not
+        # finite (-1: not recorded), how many were not finite].
+        self.consecutive_skips = self.add_variable(
+            shape=(),
+            dtype="int32",
+            initializer=keras.initializers.Zeros(),
+            aggregation="none",
+            name="consecutive_skips",
+        )
+        self.first_non_finite = self.add_variable(
+            shape=(2,),
+            dtype="int32",
+            initializer=keras.initializers.Constant(-1),
+            aggregation="none",
+            name="first_non_finite",
+        )
+
+    def apply(self, grads, trainable_variables=None):
+        try:
+            super().apply(grads, trainable_variables)
+        finally:
+            self._finite_flags = None
+        if tf.executing_eagerly():
+            self.check_skips()
+
+    def check_finite(self, grads):
+        # As Keras's, but keeps the per-variable flags for the record made
+        # when the step is skipped.
+        flags = [
+            tf.constant(True) if g is None else tf.reduce_all(tf.math.is_finite(g))
+            for g in grads
+        ]
+        flags = tf.stack(flags) if flags else tf.ones([0], tf.bool)
+        self._finite_flags = flags
+        return tf.reduce_all(flags)
+
+    def _stateful_handle_finite_grads(self, grads, trainable_variables):
+        super()._stateful_handle_finite_grads(grads, trainable_variables)
+        self.consecutive_skips.assign(0)
+
+    def _stateful_handle_non_finite_grads(self):
+        super()._stateful_handle_non_finite_grads()
+        flags = self._finite_flags
+        if flags is not None and _reachable(flags):
+            bad = tf.logical_not(flags)
+            positions = tf.range(tf.size(flags, out_type=tf.int32))
+            record = tf.stack(
+                [
+                    tf.reduce_max(tf.where(bad, positions, -1)),
+                    tf.reduce_sum(tf.cast(bad, tf.int32)),
+                ]
+            )
+            first = tf.equal(self.consecutive_skips, 0)
+            self.first_non_finite.assign(
+                tf.where(first, record, tf.convert_to_tensor(self.first_non_finite))
+            )
+        self.consecutive_skips.assign_add(1)
+
+    def check_skips(self) -> None:
+        """Raises `tf_als.storm.NonFiniteStormError` if the last
+        `max_consecutive_skips` steps were all skipped.
+
+        `fit` on an instrumented model and eager loops call it on their own;
+        call it after each step of a compiled (`tf.function`) custom loop:
+
+        ```python
+        for x, y in dataset:
+            train_step(x, y)          # a tf.function that calls apply()
+            optimizer.check_skips()
+        ```
+        """
+        if self.max_consecutive_skips is None or not self.built:
+            return
+        skips = int(keras.ops.convert_to_numpy(self.consecutive_skips))
+        if skips >= self.max_consecutive_skips:
+            raise storm.NonFiniteStormError(storm.describe(self, skips))
 
     def scale_loss(self, loss: tf.Tensor) -> tf.Tensor:
         """Multiplies `loss` by the global scale S, and announces this
@@ -127,6 +226,7 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             underflow_rate=self.underflow_rate,
             max_layer_scale=self.max_layer_scale,
             overflow_margin=self.overflow_margin,
+            max_consecutive_skips=self.max_consecutive_skips,
         )
         return config
 
@@ -158,9 +258,23 @@ def _check_positive_number(name, value):
         )
 
 
-def _check_int(name, value):
+def _check_int(name, value, none_allowed=False):
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"`{name}` must be an integer >= 1; received {value!r}.")
+        allowed = "an integer >= 1 or None" if none_allowed else "an integer >= 1"
+        raise ValueError(f"`{name}` must be {allowed}; received {value!r}.")
+
+
+def _reachable(tensor):
+    """Whether `tensor` can be used here: eager, or made in the graph being
+    built or one enclosing it (a tf.cond branch captures from outside)."""
+    if tf.executing_eagerly():
+        return not tf.is_symbolic_tensor(tensor)
+    graph = tf.compat.v1.get_default_graph()
+    while graph is not None:
+        if tensor.graph is graph:
+            return True
+        graph = getattr(graph, "outer_graph", None)
+    return False
 
 
 def _check_power_of_two(name, value):

@@ -1,0 +1,287 @@
+"""Non-finite steps and storms of them.
+
+One bad batch (NaN or inf inputs, NaN labels, a loss that overflows, one
+layer whose backward pass overflows) must be skipped with every weight,
+optimizer slot and per-layer scale bitwise unchanged, halve the global scale,
+and leave training able to go on. `max_consecutive_skips` bad steps in a row
+must stop training with a `NonFiniteStormError` that names the layer whose
+weight gradient was first non-finite, in `fit` (XLA on and off), eager and
+compiled custom loops, and for plain models with the guard callback.
+
+The model: first -> boom -> second -> head (float32 output), MSE on one-hot
+targets. `boom` multiplies by a trainable scalar; when armed, its backward
+pass turns the gradient it passes on into inf (its own weight gradient stays
+finite), a layer-local overflow that no loss scale cures.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_als
+
+BATCH = 16
+
+
+@keras.saving.register_keras_serializable(package="tf_als_tests")
+class Boom(keras.layers.Layer):
+    """y = x * w; armed, its input gradient is inf."""
+
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=(), initializer="ones", name="w")
+        self.armed = self.add_weight(
+            shape=(), initializer="zeros", trainable=False, name="armed", dtype="float32"
+        )
+
+    def call(self, x):
+        @tf.custom_gradient
+        def scale(x, w, armed):
+            def grad(dy):
+                blow = tf.where(armed > 0, tf.constant(np.inf, dy.dtype), tf.ones([], dy.dtype))
+                dw = tf.reduce_sum(tf.cast(dy, tf.float32) * tf.cast(x, tf.float32))
+                return dy * tf.cast(w, dy.dtype) * blow, dw, None
+
+            return x * tf.cast(w, x.dtype), grad
+
+        return scale(x, tf.convert_to_tensor(self.w), tf.convert_to_tensor(self.armed))
+
+
+def build(instrumented=True, **optimizer_kwargs):
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    inputs = keras.Input((8,))
+    x = keras.layers.Dense(16, activation="relu", name="first")(inputs)
+    x = Boom(name="boom")(x)
+    x = keras.layers.Dense(16, activation="relu", name="second")(x)
+    outputs = keras.layers.Dense(3, dtype="float32", name="head")(x)
+    plain = keras.Model(inputs, outputs)
+    model = tf_als.instrument(plain) if instrumented else plain
+    optimizer = tf_als.AdaptiveLossScaleOptimizer(keras.optimizers.Adam(1e-2), **optimizer_kwargs)
+    return model, plain, optimizer
+
+
+def batch(seed=0, size=BATCH):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(size, 8)).astype("float32")
+    y = np.eye(3, dtype="float32")[rng.integers(0, 3, size)]
+    return x, y
+
+
+def arm(plain, on=True):
+    plain.get_layer("boom").armed.assign(1.0 if on else 0.0)
+
+
+def poison(cause, x, y, plain):
+    """The bad batch for `cause`, and the layer the storm error must name."""
+    x, y = x.copy(), y.copy()
+    if cause == "nan_input":
+        x[3, 2] = np.nan
+        return x, y, "head"
+    if cause == "inf_input":
+        x[5, 0] = np.inf
+        return x, y, "head"
+    if cause == "nan_label":
+        y[2, 1] = np.nan
+        return x, y, "head"
+    if cause == "overflowing_loss":
+        # (p - 1e20)**2 overflows float32; the float32 head passes on a
+        # finite gradient that overflows when cast to float16 for `second`.
+        y[0, 0] = 1e20
+        return x, y, "second"
+    assert cause == "one_layer"
+    arm(plain)
+    return x, y, "first"
+
+
+def snapshot(model, plain, optimizer):
+    """Everything a skipped step must leave alone: weights (BatchNorm-free
+    model: all of them trainable or `armed`), the inner optimizer's
+    variables (iterations and Adam slots) and every per-layer scale."""
+    values = [np.array(w) for w in plain.get_weights()]
+    values += [np.array(v) for v in optimizer.inner_optimizer.variables]
+    values += [np.array(p.scale) for p in model.scaling_points]
+    return values
+
+
+def assert_bitwise_equal(before, after):
+    assert len(before) == len(after)
+    for b, a in zip(before, after):
+        np.testing.assert_array_equal(b, a)
+        assert b.tobytes() == a.tobytes()  # NaN-aware and sign-of-zero aware
+
+
+@pytest.mark.parametrize(
+    "cause", ["nan_input", "inf_input", "nan_label", "overflowing_loss", "one_layer"]
+)
+def test_bad_batch_is_skipped_and_training_recovers(cause):
+    model, plain, optimizer = build(update_interval=1)
+    model.compile(optimizer, "mse", jit_compile=False)
+    x, y = batch()
+    for _ in range(3):
+        model.train_on_batch(x, y)
+    scale = float(optimizer.dynamic_scale)
+    bad_x, bad_y, expected = poison(cause, x, y, plain)
+    before = snapshot(model, plain, optimizer)
+
+    model.train_on_batch(bad_x, bad_y)
+
+    # Everything bitwise unchanged; update_interval=1 makes the bad step an
+    # update step, so the per-layer scales were re-chosen and must be kept.
+    assert_bitwise_equal(before, snapshot(model, plain, optimizer))
+    arm(plain, False)
+    assert float(optimizer.dynamic_scale) == scale / 2
+    assert int(optimizer.consecutive_skips) == 1
+    message = tf_als.storm.describe(optimizer, 1)
+    assert f"was in layer {expected!r}" in message
+
+    losses = [float(model.train_on_batch(x, y)) for _ in range(3)]
+    assert all(np.isfinite(losses))
+    assert int(optimizer.consecutive_skips) == 0
+    assert int(optimizer.iterations) == 6
+    changed = [np.array(w) for w in plain.get_weights()]
+    assert any(not np.array_equal(a, b) for a, b in zip(before, changed) if a.shape)
+    assert all(np.all(np.isfinite(w)) for w in changed)
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_storm_stops_fit_naming_the_layer(jit_compile):
+    model, plain, optimizer = build(max_consecutive_skips=4)
+    model.compile(optimizer, "mse", jit_compile=jit_compile)
+    x, y = batch(size=4 * BATCH)
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    iterations = int(optimizer.iterations)
+    arm(plain)
+    with pytest.raises(tf_als.NonFiniteStormError) as caught:
+        model.fit(x, y, batch_size=BATCH, epochs=5, verbose=0)
+    message = str(caught.value)
+    # The first non-finite weight gradient is `first`'s, and what it
+    # received came from the scaling point `boom`.
+    assert "4 consecutive training steps were skipped" in message
+    assert "was in layer 'first'" in message
+    assert "received from 'boom'" in message
+    assert "max_consecutive_skips" in message
+    # Stopped at exactly the limit: four skipped steps, four halvings.
+    assert int(optimizer.consecutive_skips) == 4
+    assert int(optimizer.iterations) == iterations
+    assert float(optimizer.dynamic_scale) == 2.0**15 / 2**4
+
+
+def test_nan_data_storm_points_at_the_loss():
+    model, plain, optimizer = build(max_consecutive_skips=3)
+    model.compile(optimizer, "mse")
+    x, y = batch(size=3 * BATCH)
+    x[:, 0] = np.nan
+    with pytest.raises(tf_als.NonFiniteStormError, match="comes straight from the loss") as caught:
+        model.fit(x, y, batch_size=BATCH, verbose=0)
+    assert "was in layer 'head'" in str(caught.value)
+    assert "7 of 7 weight gradients were non-finite" in str(caught.value)
+
+
+def test_a_finite_step_resets_the_count():
+    model, plain, optimizer = build(max_consecutive_skips=3)
+    model.compile(optimizer, "mse")
+    x, y = batch()
+    for armed in (1, 1, 0, 1, 1, 0):
+        arm(plain, bool(armed))
+        model.train_on_batch(x, y)  # never 3 in a row: no error
+    assert int(optimizer.consecutive_skips) == 0
+    optimizer.check_skips()
+
+
+def _loop_step(model, optimizer, x, y):
+    with tf.GradientTape() as tape:
+        loss = keras.losses.mean_squared_error(y, model(x, training=True))
+        loss = tf.reduce_mean(loss)
+        scaled = optimizer.scale_loss(loss)
+    grads = tape.gradient(scaled, model.trainable_variables)
+    optimizer.apply(grads, model.trainable_variables)
+
+
+def test_eager_custom_loop_stops_by_itself():
+    model, plain, optimizer = build(max_consecutive_skips=3)
+    x, y = batch()
+    _loop_step(model, optimizer, x, y)
+    arm(plain)
+    _loop_step(model, optimizer, x, y)
+    _loop_step(model, optimizer, x, y)
+    with pytest.raises(tf_als.NonFiniteStormError, match="was in layer 'first'"):
+        _loop_step(model, optimizer, x, y)
+
+
+def test_compiled_custom_loop_stops_at_check_skips():
+    model, plain, optimizer = build(max_consecutive_skips=3)
+    step = tf.function(lambda x, y: _loop_step(model, optimizer, x, y))
+    x, y = batch()
+    step(x, y)
+    optimizer.check_skips()
+    arm(plain)
+    for _ in range(3):
+        step(x, y)  # A graph cannot raise a Python error by itself ...
+    assert int(optimizer.consecutive_skips) == 3
+    with pytest.raises(tf_als.NonFiniteStormError, match="received from 'boom'"):
+        optimizer.check_skips()  # ... so the loop asks after each step.
+
+
+def test_plain_model_with_the_guard_callback():
+    model, plain, optimizer = build(instrumented=False, max_consecutive_skips=2)
+    model.compile(optimizer, "mse")
+    x, y = batch(size=4 * BATCH)
+    arm(plain)
+    guard = tf_als.callbacks.NonFiniteGuard()
+    with pytest.raises(tf_als.NonFiniteStormError) as caught:
+        model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[guard])
+    # Without a plan, names come from variable paths; the layer after
+    # `first` in training order stands in for the one that fed it.
+    assert "was in layer 'first' (variable 'first/bias')" in str(caught.value)
+    assert "received from 'boom'" in str(caught.value)
+
+
+def test_none_never_stops():
+    model, plain, optimizer = build(max_consecutive_skips=None)
+    model.compile(optimizer, "mse")
+    x, y = batch(size=6 * BATCH)
+    arm(plain)
+    model.fit(x, y, batch_size=BATCH, verbose=0)  # Keras's behaviour: no stop.
+    assert int(optimizer.consecutive_skips) == 6
+    assert float(optimizer.dynamic_scale) == 2.0**15 / 2**6
+    optimizer.check_skips()
+
+
+def test_fit_adds_one_guard_to_the_callbacks_given(monkeypatch):
+    model, plain, optimizer = build()
+    model.compile(optimizer, "mse")
+    x, y = batch()
+    received = []
+
+    def recording_fit(self, *args, **kwargs):
+        received.append(list(args[5]) if len(args) > 5 else list(kwargs["callbacks"]))
+
+    monkeypatch.setattr(keras.Model, "fit", recording_fit)
+    other = keras.callbacks.History()
+    guard = tf_als.callbacks.NonFiniteGuard()
+    model.fit(x, y, BATCH, 1, 0, [other, guard])  # callbacks given positionally
+    model.fit(x, y, callbacks=[other])
+    model.fit(x, y)
+    assert received[0] == [other, guard]
+    assert received[1][0] is other and len(received[1]) == 2
+    assert len(received[2]) == 1
+    assert isinstance(received[1][1], tf_als.callbacks.NonFiniteGuard)
+    assert isinstance(received[2][0], tf_als.callbacks.NonFiniteGuard)
+
+
+@pytest.mark.parametrize("value", [0, -1, 2.5, True, "3", float("inf")])
+def test_max_consecutive_skips_is_validated(value):
+    with pytest.raises(ValueError, match=r"`max_consecutive_skips` must be an integer >= 1 or None; received"):
+        tf_als.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(), max_consecutive_skips=value)
+
+
+def test_max_consecutive_skips_round_trips_through_config():
+    for value in (7, None):
+        optimizer = tf_als.AdaptiveLossScaleOptimizer(
+            keras.optimizers.SGD(), max_consecutive_skips=value
+        )
+        config = optimizer.get_config()
+        assert config["max_consecutive_skips"] == value
+        restored = tf_als.AdaptiveLossScaleOptimizer.from_config(config)
+        assert restored.max_consecutive_skips == value
+    assert tf_als.AdaptiveLossScaleOptimizer(keras.optimizers.SGD()).max_consecutive_skips == 32

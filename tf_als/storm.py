@@ -1,0 +1,139 @@
+"""Stopping a run whose steps are all being skipped (a non-finite storm).
+
+Dynamic loss scaling skips a step and halves the global scale whenever a
+gradient is not finite. When the cause is not the scale (NaN in the data, a
+layer whose weights blew up), every step is skipped and the scale slides
+towards zero without end. `AdaptiveLossScaleOptimizer(max_consecutive_skips=N)`
+counts consecutive skips; this module turns the count and what the optimizer
+recorded at the first skip of the streak into an error that names the layer
+and says what to try, and holds the callback that raises it in `fit`.
+"""
+
+import keras
+
+from tf_als import graph
+
+
+class NonFiniteStormError(FloatingPointError):
+    """Raised when `max_consecutive_skips` consecutive steps were skipped
+    because their gradients were not finite. The message names the layer
+    whose weight gradient was the first non-finite one (walking back from
+    the loss) at the first skipped step, and what to try."""
+
+
+def describe(optimizer, skips: int) -> str:
+    """The error message for `optimizer` after `skips` consecutive skips."""
+    variables = list(getattr(optimizer, "_trainable_variables", None) or [])
+    index, bad = (int(v) for v in keras.ops.convert_to_numpy(optimizer.first_non_finite))
+    scale = float(keras.ops.convert_to_numpy(optimizer.dynamic_scale))
+    step = int(keras.ops.convert_to_numpy(optimizer.iterations))
+    lines = [
+        f"{skips} consecutive training steps were skipped because their "
+        f"gradients were not finite (AdaptiveLossScaleOptimizer "
+        f"max_consecutive_skips={optimizer.max_consecutive_skips}); the global "
+        f"loss scale fell from {optimizer.initial_scale:g} to {scale:g}, and "
+        f"training stopped at step {step} instead of skipping forever."
+    ]
+    if not 0 <= index < len(variables):
+        lines.append(
+            "Which layer's gradient was first non-finite was not recorded. "
+            "Run tf_als.diagnose(model, x, y) on a batch of the failing data "
+            "to find it."
+        )
+        return " ".join(lines)
+    variable = variables[index]
+    layer, after = _locate(optimizer, variable)
+    lines.append(
+        f"At the first skipped step, walking back from the loss, the first "
+        f"non-finite weight gradient was in layer {layer!r} (variable "
+        f"{variable.path!r}); {bad} of {len(variables)} weight gradients were "
+        "non-finite."
+    )
+    if after is None:
+        lines.append(
+            f"The gradient reaching {layer!r} comes straight from the loss: "
+            "check the inputs and labels for NaN or inf (e.g. "
+            "np.isfinite(x).all()), whether the loss overflows float32, and "
+            f"the weights and outputs of {layer!r} for very large values."
+        )
+    else:
+        lines.append(
+            f"The values became non-finite in the backward pass of {layer!r} "
+            f"or in the gradient it received from {after}: check those "
+            "layers' weights and activations for very large values (and the "
+            "inputs for NaN or inf if every layer is affected), try a lower "
+            "learning rate or gradient clipping (clipnorm= on the inner "
+            "optimizer), and run tf_als.diagnose(model, x, y) on a failing "
+            "batch."
+        )
+    lines.append(
+        "If the loss scale legitimately has to fall further, raise "
+        "max_consecutive_skips (None disables this stop)."
+    )
+    return " ".join(lines)
+
+
+def _locate(optimizer, variable):
+    """(the layer owning `variable`, the scaling points the gradient
+    reaching it comes from, or None), named as `tf_als.scales` names points
+    when the linked model is instrumented."""
+    from tf_als.instrument import InstrumentedModel
+
+    model = getattr(optimizer, "_tf_als_model", None)
+    model = model() if model is not None else None
+    if not isinstance(model, InstrumentedModel):
+        return variable.path.rsplit("/", 1)[0], _plain_after(optimizer, variable)
+    plan = model.plan
+    names = dict(zip(plan.point_calls, model.plan.point_names))
+    owners = [
+        index
+        for index in plan.point_calls
+        if any(w is variable for w in plan.calls[index].operation.trainable_weights)
+    ]
+    if not owners:
+        return variable.path.rsplit("/", 1)[0], _plain_after(optimizer, variable)
+    owner = owners[-1]  # A shared layer: its call closest to the loss.
+    receivers = [
+        names[index]
+        for index in plan.point_calls
+        if owner in graph.upstream_points(plan, plan.calls[index])
+    ]
+    after = ", ".join(repr(n) for n in receivers) if receivers else None
+    return names[owner], after
+
+
+def _plain_after(optimizer, variable):
+    """Without a plan: the layer of the next variable in training order, a
+    stand-in for the layer after it (None for the last one)."""
+    variables = list(optimizer._trainable_variables)
+    layer = variable.path.rsplit("/", 1)[0]
+    position = next(i for i, v in enumerate(variables) if v is variable)
+    for later in variables[position + 1 :]:
+        name = later.path.rsplit("/", 1)[0]
+        if name != layer:
+            return repr(name)
+    return None
+
+
+class NonFiniteGuard(keras.callbacks.Callback):
+    """Stops `fit` with a `NonFiniteStormError` once the model's
+    `AdaptiveLossScaleOptimizer` has skipped `max_consecutive_skips` steps in
+    a row (one variable read per batch).
+
+    `fit` on a model returned by `tf_als.instrument` adds one on its own.
+    Add it yourself to `fit` a plain model compiled with an
+    `AdaptiveLossScaleOptimizer`. In a compiled custom training loop call
+    `optimizer.check_skips()` after each step instead (an eager loop checks
+    on its own).
+
+    Example:
+
+    ```python
+    model.fit(x, y, callbacks=[tf_als.callbacks.NonFiniteGuard()])
+    ```
+    """
+
+    def on_train_batch_end(self, batch, logs=None):
+        check = getattr(self.model.optimizer, "check_skips", None)
+        if check is not None:
+            check()
