@@ -1,0 +1,109 @@
+"""`benchmarks/replication.py`: its static loss scaler, its underflow probe
+and a smoke run of the accuracy experiment (loaded from its file; the
+benchmarks are scripts, not a package)."""
+
+import importlib.util
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_als
+from tf_als import datasets
+
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "replication.py")
+
+
+@pytest.fixture(scope="module")
+def replication():
+    spec = importlib.util.spec_from_file_location("tf_als_replication", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _dense(seed=0):
+    inputs = keras.Input((4,))
+    outputs = keras.layers.Dense(2, dtype="float32")(inputs)
+    model = keras.Model(inputs, outputs)
+    model.set_weights([np.full((4, 2), 0.5, np.float32), np.zeros(2, np.float32)])
+    return model
+
+
+def test_fixed_scale_unscales_exactly_and_never_skips(replication):
+    model = _dense()
+    optimizer = replication.fixed_scale_optimizer(keras.optimizers.SGD(1.0), 1024)
+    optimizer.build(model.trainable_variables)
+    grads = [tf.fill((4, 2), 1024.0 * 0.25), tf.fill((2,), 1024.0)]
+    optimizer.apply(grads, model.trainable_variables)
+    np.testing.assert_array_equal(model.get_weights()[0], np.full((4, 2), 0.25))
+    np.testing.assert_array_equal(model.get_weights()[1], np.full(2, -1.0))
+    # A non-finite gradient is applied as it is (static scaling has no
+    # check), and the scale never moves.
+    optimizer.apply([tf.fill((4, 2), np.inf), tf.zeros(2)], model.trainable_variables)
+    assert np.all(np.isneginf(model.get_weights()[0]))
+    assert float(optimizer.dynamic_scale) == 1024.0
+    assert int(optimizer.iterations) == 2
+
+
+def test_probe_measures_without_touching_the_run(replication):
+    """On the 16-layer sigmoid MLP at initialisation, Keras's scale 2**15
+    flushes most of the first layer's gradient (tests/test_underflow.py
+    measures it independently) and tf_als's scales flush none; measuring
+    changes neither the weights nor the per-layer scales of the run."""
+    data = datasets.load("digits")
+    x, y = data.x_test[:64], data.y_test[:64]
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    keras_model = replication.build_model("sigmoid-mlp", x.shape[1:], 10)
+    keras_optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam())
+    keras_optimizer.build(keras_model.trainable_variables)
+    flushed = replication.UnderflowProbe("keras", keras_model, x, y).measure(keras_optimizer)
+    assert len(flushed) == 17  # 16 sigmoid layers and the head
+    assert list(flushed.values())[0] > 0.5
+
+    plain = replication.build_model("sigmoid-mlp", x.shape[1:], 10)
+    plain.set_weights(keras_model.get_weights())
+    model = tf_als.instrument(plain)
+    optimizer = tf_als.AdaptiveLossScaleOptimizer(keras.optimizers.Adam())
+    model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.train_on_batch(x, y)  # the first update picks the scales
+    weights, scales = plain.get_weights(), tf_als.scales(model)
+    probe = replication.UnderflowProbe("tf_als", model, x, y)
+    flushed = probe.measure(optimizer)
+    assert max(flushed.values()) <= 0.01
+    assert max(scales.values()) > 1  # the scales did something to measure
+    for before, after in zip(weights, plain.get_weights()):
+        np.testing.assert_array_equal(before, after)
+    assert tf_als.scales(model) == scales
+
+
+def test_accuracy_smoke_run_and_table_only(replication, tmp_path):
+    argv = [
+        "accuracy", "--quick", "--models", "cnn",
+        "--scalers", "float32", "fixed-1", "tf_als", "--output-dir", str(tmp_path),
+    ]
+    results = replication.main(argv)
+    assert [r["scaler"] for r in results] == ["float32", "fixed-1", "tf_als"]
+    for r in results:
+        assert 0.0 <= r["test_accuracy"] <= 1.0 and np.isfinite(r["test_loss"])
+        assert not r["diverged"]
+    assert results[0]["final_underflow"] == {}
+    # Layer names differ between runs (Keras numbers them); 7 layers with
+    # weights: 3 convolutions, 3 batch normalisations, the head.
+    assert len(results[2]["layer_scales"]) == len(results[1]["final_underflow"]) == 7
+    saved = json.loads((tmp_path / "accuracy.json").read_text())
+    assert saved["results"] == json.loads(json.dumps(results))
+    table = (tmp_path / "accuracy.md").read_text()
+    assert table.count("| cnn |") == 3
+    replication.main(["accuracy", "--table-only", "--output-dir", str(tmp_path)])
+    assert (tmp_path / "accuracy.md").read_text() == table
+
+
+def test_bad_arguments_are_refused(replication):
+    with pytest.raises(SystemExit):
+        replication.parse_args(["accuracy", "--seeds", "0"])
+    with pytest.raises(SystemExit):
+        replication.parse_args(["speed"])
