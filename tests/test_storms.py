@@ -285,3 +285,47 @@ def test_max_consecutive_skips_round_trips_through_config():
         restored = tf_als.AdaptiveLossScaleOptimizer.from_config(config)
         assert restored.max_consecutive_skips == value
     assert tf_als.AdaptiveLossScaleOptimizer(keras.optimizers.SGD()).max_consecutive_skips == 32
+
+
+MIRRORED_STORM = """
+import tensorflow as tf
+(cpu,) = tf.config.list_physical_devices("CPU")
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import sys
+sys.path.insert(0, {tests!r})
+import tf_als
+from test_storms import BATCH, arm, batch, build
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+with strategy.scope():
+    model, plain, optimizer = build(max_consecutive_skips=3)
+    model.compile(optimizer, "mse")
+x, y = batch(size=4 * BATCH)
+model.fit(x, y, batch_size=BATCH, verbose=0)
+arm(plain)
+try:
+    model.fit(x, y, batch_size=BATCH, epochs=3, verbose=0)
+except tf_als.NonFiniteStormError as error:
+    skips, scale = (v.numpy() for v in (optimizer.consecutive_skips, optimizer.dynamic_scale))
+    print("STORM", int(skips), float(scale), error)
+"""
+
+
+def test_storm_stops_fit_under_mirrored_strategy():
+    """Two logical CPU devices (in a subprocess: devices must be split before
+    TensorFlow starts). Keras's apply is a cross-replica `merge_call` there;
+    the record made at the first skip must survive it."""
+    import os
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    result = subprocess.run(
+        [sys.executable, "-c", MIRRORED_STORM.format(tests=tests)],
+        capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+    )
+    lines = [line for line in result.stdout.splitlines() if line.startswith("STORM")]
+    assert lines, result.stderr[-3000:]
+    _, skips, scale, message = lines[0].split(" ", 3)
+    assert (int(skips), float(scale)) == (3, 2.0**15 / 2**3)
+    assert "was in layer 'first'" in message and "received from 'boom'" in message
