@@ -87,6 +87,7 @@ def test_names_the_layer_whose_gradient_overflows(mixed):
     assert "non-finite gradients: layer 'boom'" in str(report)
 
 
+@pytest.mark.slow  # ~30 s: diagnose halves the scale 64 times before giving up
 def test_names_the_loss_when_labels_are_not_finite(mixed):
     model = test_underflow._build()
     x, _ = _digits_batch()

@@ -310,6 +310,7 @@ except tf_als.NonFiniteStormError as error:
 """
 
 
+@pytest.mark.slow  # ~25 s: a subprocess that starts TensorFlow again
 def test_storm_stops_fit_under_mirrored_strategy():
     """Two logical CPU devices (in a subprocess: devices must be split before
     TensorFlow starts). Keras's apply is a cross-replica `merge_call` there;

@@ -165,7 +165,9 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # As Keras's, but keeps the per-variable flags for the record made
         # when the step is skipped.
         flags = [
-            tf.constant(True) if g is None else tf.reduce_all(tf.math.is_finite(g))
+            tf.constant(True)
+            if g is None
+            else keras.ops.all(keras.ops.isfinite(g))
             for g in grads
         ]
         flags = tf.stack(flags) if flags else tf.ones([0], tf.bool)
