@@ -113,6 +113,26 @@ def test_works_on_an_instrumented_model_without_changing_it(mixed):
     assert set(tf_als.scales(model).values()) == {4.0}
 
 
+def test_model_compiled_with_unregistered_objects(mixed):
+    """The copies diagnose makes are not compiled: a model compiled with a
+    loss class Keras cannot deserialise still works, and stays compiled."""
+
+    class UnregisteredLoss(keras.losses.Loss):
+        def call(self, y_true, y_pred):
+            return keras.losses.sparse_categorical_crossentropy(
+                y_true, y_pred, from_logits=True
+            )
+
+    inputs = keras.Input((64,))
+    hidden = keras.layers.Dense(16, activation="relu")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(10, dtype="float32")(hidden))
+    model.compile(keras.optimizers.SGD(), UnregisteredLoss())
+    x, y = _digits_batch()
+    report = tf_als.diagnose(model, x, y, verbose=False)
+    assert [r.layer for r in report.rows] == [l.name for l in model.layers if l.weights]
+    assert model.compiled
+
+
 def test_needs_a_loss(mixed):
     model = test_underflow._build()
     x, y = _digits_batch()

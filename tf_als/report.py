@@ -193,7 +193,15 @@ def _clone(model, policy):
             config["dtype"] = policy
         return layer.__class__.from_config(config)
 
-    clone = keras.models.clone_model(model, clone_function=clone_layer)
+    # clone_model also compiles the copy from the model's compile config,
+    # which fails for unregistered custom losses or optimizers and which
+    # the copy does not need; the flag is restored at once.
+    compiled = getattr(model, "compiled", False)
+    model.compiled = False
+    try:
+        clone = keras.models.clone_model(model, clone_function=clone_layer)
+    finally:
+        model.compiled = compiled
     clone.set_weights(model.get_weights())
     return clone
 
