@@ -13,7 +13,10 @@ with a hand-written training step compiled by `tf.function`:
 `optimizer.apply` receives gradients carrying the global loss scale, as with
 Keras's own `LossScaleOptimizer`; the per-layer scales are removed inside
 the backward pass. `ScaleHistory.record_step()` after each step records the
-scale updates, as the callback does under `fit`.
+scale updates, as the callback does under `fit`, and
+`optimizer.check_skips()` stops the loop with a `tf_als.NonFiniteStormError`
+if `max_consecutive_skips` steps in a row were skipped (a compiled step
+cannot raise it by itself; `fit` does this check for you).
 
 Run:
 
@@ -124,6 +127,7 @@ def main(argv=None) -> dict:
         for x, y in batches:
             mean_loss.update_state(train_step(x, y))
             history.record_step()
+            optimizer.check_skips()
         epoch_losses.append(float(mean_loss.result()))
         print(f"epoch {epoch + 1}/{args.epochs}: loss {epoch_losses[-1]:.4f}, "
               f"global loss scale {float(optimizer.dynamic_scale):g}")
