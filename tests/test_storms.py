@@ -157,6 +157,7 @@ def test_storm_stops_fit_naming_the_layer(jit_compile):
     # The first non-finite weight gradient is `first`'s, and what it
     # received came from the scaling point `boom`.
     assert "4 consecutive training steps were skipped" in message
+    assert "halved at each, is down to 2048," in message
     assert "was in layer 'first'" in message
     assert "received from 'boom'" in message
     assert "max_consecutive_skips" in message

@@ -31,8 +31,8 @@ def describe(optimizer, skips: int) -> str:
         f"{skips} consecutive training steps were skipped because their "
         f"gradients were not finite (AdaptiveLossScaleOptimizer "
         f"max_consecutive_skips={optimizer.max_consecutive_skips}); the global "
-        f"loss scale fell from {optimizer.initial_scale:g} to {scale:g}, and "
-        f"training stopped at step {step} instead of skipping forever."
+        f"loss scale, halved at each, is down to {scale:g}, and training "
+        f"stopped at step {step} instead of skipping forever."
     ]
     if not 0 <= index < len(variables):
         lines.append(
