@@ -122,13 +122,12 @@ def scale_of(scaler):
 class UnderflowProbe:
     """Measures a run's per-layer underflow on a fixed batch, on copies."""
 
-    def __init__(self, scaler, model, x, y):
+    def __init__(self, model, x, y):
         import keras
 
         import tf_als
         from tf_als import report
 
-        self.scaler = scaler
         self.plain = model.model if isinstance(model, tf_als.InstrumentedModel) else model
         self.x, self.y = x, y
         self.loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -214,7 +213,7 @@ def train(model_name, scaler, seed, data, epochs, measure_every, steps=None):
     if scaler != "float32":
         # Before compile: clone_model would otherwise copy the compile
         # config, and the benchmark's optimizer is not registered.
-        probe = UnderflowProbe(scaler, model, data.x_test[:BATCH_SIZE], data.y_test[:BATCH_SIZE])
+        probe = UnderflowProbe(model, data.x_test[:BATCH_SIZE], data.y_test[:BATCH_SIZE])
     model.compile(
         optimizer=optimizer,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

@@ -25,7 +25,7 @@ def replication():
     return module
 
 
-def _dense(seed=0):
+def _dense():
     inputs = keras.Input((4,))
     outputs = keras.layers.Dense(2, dtype="float32")(inputs)
     model = keras.Model(inputs, outputs)
@@ -60,7 +60,7 @@ def test_probe_measures_without_touching_the_run(replication):
     keras_model = replication.build_model("sigmoid-mlp", x.shape[1:], 10)
     keras_optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam())
     keras_optimizer.build(keras_model.trainable_variables)
-    flushed = replication.UnderflowProbe("keras", keras_model, x, y).measure(keras_optimizer)
+    flushed = replication.UnderflowProbe(keras_model, x, y).measure(keras_optimizer)
     assert len(flushed) == 17  # 16 sigmoid layers and the head
     assert list(flushed.values())[0] > 0.5
 
@@ -71,7 +71,7 @@ def test_probe_measures_without_touching_the_run(replication):
     model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     model.train_on_batch(x, y)  # the first update picks the scales
     weights, scales = plain.get_weights(), tf_als.scales(model)
-    probe = replication.UnderflowProbe("tf_als", model, x, y)
+    probe = replication.UnderflowProbe(model, x, y)
     flushed = probe.measure(optimizer)
     assert max(flushed.values()) <= 0.01
     assert max(scales.values()) > 1  # the scales did something to measure

@@ -24,7 +24,6 @@ import tf_als
 BATCH = 16
 
 
-@keras.saving.register_keras_serializable(package="tf_als_tests")
 class Boom(keras.layers.Layer):
     """y = x * w; armed, its input gradient is inf."""
 

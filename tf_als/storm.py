@@ -81,17 +81,15 @@ def _locate(optimizer, variable):
 
     model = getattr(optimizer, "_tf_als_model", None)
     model = model() if model is not None else None
-    if not isinstance(model, InstrumentedModel):
-        return variable.path.rsplit("/", 1)[0], _plain_after(optimizer, variable)
-    plan = model.plan
-    names = dict(zip(plan.point_calls, model.plan.point_names))
-    owners = [
+    plan = model.plan if isinstance(model, InstrumentedModel) else None
+    owners = [] if plan is None else [
         index
         for index in plan.point_calls
         if any(w is variable for w in plan.calls[index].operation.trainable_weights)
     ]
     if not owners:
-        return variable.path.rsplit("/", 1)[0], _plain_after(optimizer, variable)
+        return _layer_of(variable), _plain_after(optimizer, variable)
+    names = dict(zip(plan.point_calls, plan.point_names))
     owner = owners[-1]  # A shared layer: its call closest to the loss.
     receivers = [
         names[index]
@@ -102,16 +100,20 @@ def _locate(optimizer, variable):
     return names[owner], after
 
 
+def _layer_of(variable):
+    """The layer part of a variable's path ("dense_1/kernel" -> "dense_1")."""
+    return variable.path.rsplit("/", 1)[0]
+
+
 def _plain_after(optimizer, variable):
     """Without a plan: the layer of the next variable in training order, a
     stand-in for the layer after it (None for the last one)."""
     variables = list(optimizer._trainable_variables)
-    layer = variable.path.rsplit("/", 1)[0]
+    layer = _layer_of(variable)
     position = next(i for i, v in enumerate(variables) if v is variable)
     for later in variables[position + 1 :]:
-        name = later.path.rsplit("/", 1)[0]
-        if name != layer:
-            return repr(name)
+        if _layer_of(later) != layer:
+            return repr(_layer_of(later))
     return None
 
 
