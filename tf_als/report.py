@@ -207,16 +207,24 @@ def _clone(model, policy):
 
 
 def _gradients(model, variables, x, y, loss_fn, training, scale=1.0, optimizer=None):
-    with tf.GradientTape() as tape:
-        value = loss_fn(y, model(x, training=training))
-        if optimizer is not None:
-            scaled = optimizer.scale_loss(value)
-        else:
-            scaled = value * scale
-    grads = tape.gradient(scaled, variables)
+    """The scaled gradients of one batch divided by `scale`, computed in a
+    `tf.function` as `fit` computes them (on some CPUs TensorFlow's graph
+    kernels round float16 differently from its eager ones)."""
+
+    @tf.function
+    def compute(x, y):
+        with tf.GradientTape() as tape:
+            value = loss_fn(y, model(x, training=training))
+            if optimizer is not None:
+                scaled = optimizer.scale_loss(value)
+            else:
+                scaled = value * scale
+        grads = tape.gradient(scaled, variables)
+        return [None if g is None else tf.convert_to_tensor(g) for g in grads]
+
     return [
-        None if g is None else np.asarray(tf.convert_to_tensor(g), np.float64) / scale
-        for g in grads
+        None if g is None else np.asarray(g, np.float64) / scale
+        for g in compute(x, y)
     ]
 
 
