@@ -250,6 +250,205 @@ def densenet121():
     )
 
 
+@keras.saving.register_keras_serializable(package="tf_als_tests")
+class ResidualBlock(layers.Layer):
+    """A custom composite layer: sublayers with weights, raw TensorFlow ops
+    and a residual fork inside its own `call`."""
+
+    def __init__(self, units, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+        self.norm = layers.LayerNormalization()
+        self.inner = layers.Dense(units * 2, activation="relu")
+        self.outer = layers.Dense(units)
+
+    def call(self, x):
+        import tensorflow as tf
+
+        y = self.outer(self.inner(self.norm(x)))
+        return tf.add(x, y)
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units}
+
+
+@keras.saving.register_keras_serializable(package="tf_als_tests")
+class Encoder(keras.Model):
+    """A subclassed model, used as a layer inside a Functional model."""
+
+    def __init__(self, units, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+        self.first = ResidualBlock(units)
+        self.second = ResidualBlock(units)
+        self.attention = layers.MultiHeadAttention(num_heads=2, key_dim=8)
+
+    def call(self, x, training=None):
+        x = self.first(x)
+        x = x + self.attention(x, x, training=training)
+        return self.second(x)
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units}
+
+
+def composite_layers():
+    """A custom composite layer and a subclassed model used as a layer."""
+    inputs = keras.Input((6, 16))
+    x = ResidualBlock(16, name="block")(inputs)
+    x = Encoder(16, name="encoder")(x)
+    x = layers.GlobalAveragePooling1D()(x)
+    outputs = layers.Dense(4, dtype="float32")(x)
+    return keras.Model(inputs, outputs, name="composite_layers")
+
+
+def _token_vectors(batch=8, length=6, features=16, classes=4, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(batch, length, features)).astype("float32")
+    return x, rng.integers(0, classes, size=(batch,))
+
+
+# KerasHub backbones built from constructor arguments (tiny, random weights,
+# dropout 0; nothing downloads), each with a task head. Their transformer
+# blocks are composite layers: tf_als opens them, so every projection and
+# normalisation inside is a scaling point.
+_HUB_TEXT = dict(vocabulary_size=50, num_layers=2, hidden_dim=16, intermediate_dim=32)
+
+
+def gpt2_backbone():
+    import keras_hub
+
+    return keras_hub.models.GPT2Backbone(
+        num_heads=2, max_sequence_length=8, dropout=0.0, **_HUB_TEXT
+    )
+
+
+def llama_backbone():
+    import keras_hub
+
+    return keras_hub.models.LlamaBackbone(
+        num_query_heads=2, num_key_value_heads=1, dropout=0.0, **_HUB_TEXT
+    )
+
+
+def gemma_backbone():
+    import keras_hub
+
+    return keras_hub.models.GemmaBackbone(
+        num_query_heads=2, num_key_value_heads=1, head_dim=8, dropout=0.0,
+        **_HUB_TEXT,
+    )
+
+
+def bert_backbone():
+    import keras_hub
+
+    return keras_hub.models.BertBackbone(
+        num_heads=2, max_sequence_length=8, dropout=0.0, **_HUB_TEXT
+    )
+
+
+def vit_backbone():
+    import keras_hub
+
+    return keras_hub.models.ViTBackbone(
+        image_shape=(16, 16, 3), patch_size=4, num_layers=2, num_heads=2,
+        hidden_dim=16, mlp_dim=32, dropout_rate=0.0, attention_dropout=0.0,
+    )
+
+
+def resnet_backbone():
+    import keras_hub
+
+    return keras_hub.models.ResNetBackbone(
+        input_conv_filters=[64], input_conv_kernel_sizes=[3],
+        stackwise_num_filters=[64, 32], stackwise_num_blocks=[1, 1],
+        stackwise_num_strides=[1, 2], block_type="basic_block",
+        image_shape=(16, 16, 3),
+    )
+
+
+def causal_lm(backbone_fn):
+    """A language-model head as KerasHub's CausalLM tasks build it: the
+    token embedding called again in reverse (tied or not), float32 logits."""
+
+    def build():
+        backbone = backbone_fn()
+        inputs = {
+            "token_ids": keras.Input((8,), dtype="int32", name="token_ids"),
+            "padding_mask": keras.Input((8,), dtype="int32", name="padding_mask"),
+        }
+        x = backbone(inputs)
+        logits = backbone.token_embedding(x, reverse=True)
+        outputs = layers.Activation("linear", dtype="float32")(logits)
+        return keras.Model(inputs, outputs, name=f"{backbone.name}_lm")
+
+    return build
+
+
+def classifier(backbone_fn, pick):
+    """A float32 classification head on `pick(backbone outputs)`."""
+
+    def build():
+        backbone = backbone_fn()
+        inputs = backbone.input
+        x = pick(backbone(inputs))
+        if len(x.shape) > 2:
+            x = layers.GlobalAveragePooling1D()(x) if len(x.shape) == 3 else (
+                layers.GlobalAveragePooling2D()(x)
+            )
+        outputs = layers.Dense(4, dtype="float32")(x)
+        return keras.Model(inputs, outputs, name=f"{backbone.name}_classifier")
+
+    return build
+
+
+def _lm_tokens(batch=4, length=8, vocabulary=50, seed=0):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(1, vocabulary, size=(batch, length + 1)).astype("int32")
+    x = {"token_ids": tokens[:, :-1], "padding_mask": np.ones((batch, length), "int32")}
+    return x, tokens[:, 1:]
+
+
+def _decoder_tokens(batch=4, length=8, vocabulary=50, seed=0):
+    x, _ = _lm_tokens(batch, length, vocabulary, seed)
+    return x, np.random.default_rng(seed).integers(0, 4, size=(batch,))
+
+
+def _bert_tokens(batch=4, length=8, vocabulary=50, seed=0):
+    rng = np.random.default_rng(seed)
+    x = {
+        "token_ids": rng.integers(1, vocabulary, size=(batch, length)).astype("int32"),
+        "segment_ids": np.zeros((batch, length), "int32"),
+        "padding_mask": np.ones((batch, length), "int32"),
+    }
+    return x, rng.integers(0, 4, size=(batch,))
+
+
+HUB_CASES = (
+    Case("gpt2", causal_lm(gpt2_backbone), _lm_tokens, _classification_loss()),
+    Case("llama", causal_lm(llama_backbone), _lm_tokens, _classification_loss()),
+    Case("gemma", causal_lm(gemma_backbone), _lm_tokens, _classification_loss()),
+    Case(
+        "bert",
+        classifier(bert_backbone, lambda out: out["pooled_output"]),
+        _bert_tokens,
+        _classification_loss(),
+    ),
+    Case(
+        "vit",
+        classifier(vit_backbone, lambda out: out[:, 0]),
+        lambda: _images(batch=4, size=16, classes=4),
+        _classification_loss(),
+    ),
+    Case(
+        "resnet_backbone",
+        classifier(resnet_backbone, lambda out: out),
+        lambda: _images(batch=4, size=16, classes=4),
+        _classification_loss(),
+    ),
+)
+
 CASES = (
     Case("deep_mlp", deep_mlp, _vectors, _classification_loss()),
     Case("cnn_batchnorm", cnn_batchnorm, _images, _classification_loss()),
@@ -260,6 +459,7 @@ CASES = (
     Case("nested", nested, _vectors, _classification_loss()),
     Case("two_in_two_out", two_in_two_out, _two_in_two_out_data, _TwoHeadLoss()),
     Case("integer_inputs", integer_inputs, _counts, _classification_loss()),
+    Case("composite_layers", composite_layers, _token_vectors, _classification_loss()),
     Case(
         "resnet50",
         resnet50,
@@ -275,5 +475,28 @@ CASES = (
         _classification_loss(),
         slow=True,
         training=False,
+    ),
+)
+
+ALL_CASES = CASES + HUB_CASES
+COMPOSITE_NAMES_CASE = HUB_CASES[0]
+# The causal-LM heads call the backbone's embedding from outside the
+# backbone, which Keras's `.keras` format does not reload (with or without
+# tf_als: "expected 1 variables, but received 0"); saving uses
+# classification heads on the same decoders.
+SAVE_CASES = tuple(c for c in ALL_CASES if c.name in (
+    "transformer", "composite_layers", "bert", "vit", "resnet_backbone"
+)) + (
+    Case(
+        "gpt2_classifier",
+        classifier(gpt2_backbone, lambda out: out),
+        _decoder_tokens,
+        _classification_loss(),
+    ),
+    Case(
+        "llama_classifier",
+        classifier(llama_backbone, lambda out: out),
+        _decoder_tokens,
+        _classification_loss(),
     ),
 )

@@ -24,7 +24,7 @@ class GradientRecorder(keras.optimizers.SGD):
         ]
 
     def update_step(self, gradient, variable, learning_rate):
-        self.received_dtypes[variable.name] = gradient.dtype.name
+        self.received_dtypes[self._get_variable_index(variable)] = gradient.dtype.name
         dense = tf.convert_to_tensor(gradient)
         self.assign(self.captured[self._get_variable_index(variable)], dense)
         super().update_step(gradient, variable, learning_rate)

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 
+import keras
 import numpy as np
 import pytest
 
@@ -36,10 +37,20 @@ def load(name: str):
     return module
 
 
+ATTENTION_PROJECTIONS = ("query", "key", "value", "attention_output")
+
+
 def weighted_layers(module) -> list:
     """Names of the example model's layers that own weights: tf_als makes a
-    scaling point of each (each is called once in these models)."""
-    return [layer.name for layer in module.build_model().layers if layer.weights]
+    scaling point of each (each is called once in these models), and of
+    each projection inside a MultiHeadAttention."""
+    names = []
+    for layer in module.build_model().layers:
+        if layer.weights:
+            names.append(layer.name)
+        if isinstance(layer, keras.layers.MultiHeadAttention):
+            names += [f"{layer.name}/{p}" for p in ATTENTION_PROJECTIONS]
+    return names
 
 
 def check_scales(scales: dict, module) -> None:

@@ -48,7 +48,7 @@ UNIT_ROUNDOFF = 2.0**-11
 
 
 def _cases():
-    for case in architectures.CASES:
+    for case in architectures.ALL_CASES:
         marks = [pytest.mark.slow] if case.slow else []
         for factor in (1.0, 2.0**-16):
             yield pytest.param(

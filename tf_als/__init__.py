@@ -20,7 +20,9 @@ from tf_als import datasets
 from tf_als import plots
 from tf_als import storm
 from tf_als.instrument import InstrumentedModel
+from tf_als.instrument import PointInfo
 from tf_als.instrument import instrument
+from tf_als.instrument import points
 from tf_als.instrument import scales
 from tf_als.optimizer import AdaptiveLossScaleOptimizer
 from tf_als.report import Diagnosis
@@ -34,11 +36,13 @@ __all__ = [
     "Diagnosis",
     "InstrumentedModel",
     "NonFiniteStormError",
+    "PointInfo",
     "callbacks",
     "datasets",
     "diagnose",
     "instrument",
     "plots",
+    "points",
     "scales",
     "storm",
 ]

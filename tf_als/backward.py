@@ -27,6 +27,7 @@ from keras.src import backend as keras_backend
 from keras.src import tree
 
 from tf_als import graph
+from tf_als import hooks
 from tf_als import policy
 from tf_als import state as state_module
 
@@ -44,10 +45,17 @@ class Backward:
             links its optimizer in `scale_loss`, after the forward pass.
     """
 
-    def __init__(self, plan, points, find_controller):
+    def __init__(self, plan, points, find_controller, inner=()):
         self.plan = plan
         self.points = points
         self._find_controller = find_controller
+        # (enclosing point, id(layer)) -> inner point index, and each inner
+        # point's enclosing point (see `tf_als.composite`).
+        self._inner = {(i.parent, id(i.layer)): index for index, i in inner}
+        self._parents = {index: i.parent for index, i in inner}
+        self._interior = {}  # point -> T_in, the scale of its interior
+        self._handled = {}  # point -> ids of variables unscaled inside it
+        self._decided = {}  # point -> scale chosen in this pass
         self._slot_scales = {}
         self._point_scales = {}  # call index -> T_in of a scaling point
         self._call_scales = {}  # call index -> T_out
@@ -208,24 +216,17 @@ class Backward:
         """
         flat_args = tree.flatten((args, kwargs))
         positions, xs = _float_tensors(flat_args)
-        state = self.points[call.point]
         results = {}
 
         @tf.custom_gradient
         def scaled(*xs):
-            flat = list(flat_args)
-            for position, x in zip(positions, xs):
-                for p in position:
-                    original = flat[p]
-                    if x is not original:
-                        mask = keras_backend.get_keras_mask(original)
-                        if mask is not None:
-                            keras_backend.set_keras_mask(x, mask)
-                    flat[p] = x
-            call_args, call_kwargs = tree.pack_sequence_as((args, kwargs), flat)
+            call_args, call_kwargs = _substitute(
+                args, kwargs, flat_args, positions, xs
+            )
             with tf.GradientTape() as tape:
                 tape.watch(xs)
-                outputs = function(*call_args, **call_kwargs)
+                with hooks.inside(self, call.point):
+                    outputs = function(*call_args, **call_kwargs)
             flat_outputs = tree.flatten(outputs)
             results["outputs"] = flat_outputs
             floats = [
@@ -246,20 +247,12 @@ class Backward:
                     dy if t is None else _rescale(_dense(dy), common, t)
                     for dy, t in zip(upstream, scales)
                 ]
-                scale = self._scale(state, upstream, common)
+                scale = self._scale(call.point, upstream, common)
                 scale_in = scale * common
                 self._point_scales[call.index] = scale_in
-                scaled_upstream = [
-                    dy * tf.cast(scale, dy.dtype) for dy in upstream
-                ]
-                grads = tape.gradient(
-                    ys, list(xs) + variables, output_gradients=scaled_upstream
+                input_grads, variable_grads = self._inside(
+                    call.point, tape, ys, xs, variables, upstream, scale, scale_in
                 )
-                input_grads = grads[: len(xs)]
-                unscale = tf.math.reciprocal(scale_in)
-                variable_grads = [
-                    _unscale(g, unscale) for g in grads[len(xs) :]
-                ]
                 return input_grads, variable_grads
 
             return ys, grad
@@ -275,9 +268,104 @@ class Backward:
             outputs[i] = y
         return outputs
 
-    def _scale(self, state, upstream, scale_out):
+    def inner_point_of(self, parent, layer):
+        """The inner point a call of `layer` is when made inside point
+        `parent`'s call, or None."""
+        return self._inner.get((parent, id(layer)))
+
+    def inner_point(self, point, function, args, kwargs):
+        """Calls `function(*args, **kwargs)` (a hooked layer's own `call`)
+        as inner scaling point `point`.
+
+        Forward: the layer's outputs, untouched. Backward: the output
+        gradients carry the scale T of the enclosing point's interior; they
+        are multiplied by s_n (re-chosen on update steps), the layer's own
+        backward runs, its weight gradients are divided by s_n * T in
+        float32 and its input gradients by s_n (exact: a power of two, in
+        float32), so every contribution inside the enclosing call carries
+        the same scale T, whichever layer it came from (the common scale at
+        every fork inside it).
+        """
+        flat = tree.flatten((args, kwargs))
+        positions, xs = _float_tensors(flat)
+        parent = self._parents[point]
+        results = {}
+
+        @tf.custom_gradient
+        def scaled(*xs):
+            call_args, call_kwargs = _substitute(args, kwargs, flat, positions, xs)
+            with tf.GradientTape() as tape:
+                tape.watch(xs)
+                with hooks.inside(self, point):
+                    outputs = function(*call_args, **call_kwargs)
+            flat_outputs = tree.flatten(outputs)
+            floats = [i for i, y in enumerate(flat_outputs) if _is_float_tensor(y)]
+            results.update(outputs=outputs, floats=floats)
+            ys = [flat_outputs[i] for i in floats]
+
+            def grad(*upstream, variables=None):
+                upstream = [
+                    tf.zeros_like(y) if dy is None else _dense(dy)
+                    for y, dy in zip(ys, upstream)
+                ]
+                scale_out = self._interior.get(parent, 1.0)
+                scale = self._scale(point, upstream, scale_out)
+                scale_in = scale * scale_out
+                input_grads, variable_grads = self._inside(
+                    point, tape, ys, xs, list(variables or []), upstream,
+                    scale, scale_in,
+                )
+                input_grads = [
+                    None if g is None else _rescale(g, scale_out, scale_in)
+                    for g in input_grads
+                ]
+                self._handled.setdefault(parent, set()).update(
+                    id(v) for v in variables or []
+                )
+                return input_grads, variable_grads
+
+            return ys, grad
+
+        ys = scaled(*xs)
+        if not isinstance(ys, (list, tuple)):
+            ys = [ys]
+        flat_outputs = list(tree.flatten(results["outputs"]))
+        for i, y in zip(results["floats"], ys):
+            flat_outputs[i] = y
+        return tree.pack_sequence_as(results["outputs"], flat_outputs)
+
+    def _inside(self, point, tape, ys, xs, variables, upstream, scale, scale_in):
+        """The backward pass of a point's own call: the incoming gradients
+        times `scale`, then input gradients (carrying `scale_in`) and
+        variable gradients, each divided by `scale_in` in float32 unless an
+        inner point inside the call already did."""
+        self._interior[point] = scale_in
+        scaled_upstream = [dy * tf.cast(scale, dy.dtype) for dy in upstream]
+        grads = tape.gradient(
+            ys, list(xs) + variables, output_gradients=scaled_upstream
+        )
+        handled = self._handled.get(point, set())
+        unscale = tf.math.reciprocal(scale_in)
+        variable_grads = [
+            g if id(v) in handled else _unscale(g, unscale)
+            for v, g in zip(variables, grads[len(xs) :])
+        ]
+        return grads[: len(xs)], variable_grads
+
+    def _scale(self, point, upstream, scale_out):
         """The scale to apply now: the stored one, or on update steps a new
-        one chosen from the incoming gradient (and recorded in `state`)."""
+        one chosen from the incoming gradient (and recorded in the point's
+        state). A layer called several times inside one enclosing call is
+        one inner point: the first of its calls to run backwards decides,
+        the others use that scale."""
+        if point in self._decided:
+            return self._decided[point]
+        self._decided[point] = scale = self._choose(
+            self.points[point], upstream, scale_out
+        )
+        return scale
+
+    def _choose(self, state, upstream, scale_out):
         current = tf.convert_to_tensor(state.scale)
         controller = self.controller
         if controller is None:
@@ -362,6 +450,21 @@ def _across_replicas(measurement):
     )
     means = tf.reduce_mean(gathered[:, split:], 0)
     return tf.concat([maxima, means], 0)
+
+
+def _substitute(args, kwargs, flat, positions, xs):
+    """`(args, kwargs)` with the float tensors at `positions` replaced by
+    `xs` (their identities inside a custom gradient), masks carried over."""
+    flat = list(flat)
+    for position, x in zip(positions, xs):
+        for p in position:
+            original = flat[p]
+            if x is not original:
+                mask = keras_backend.get_keras_mask(original)
+                if mask is not None:
+                    keras_backend.set_keras_mask(x, mask)
+            flat[p] = x
+    return tree.pack_sequence_as((args, kwargs), flat)
 
 
 def _is_float_tensor(x):

@@ -1,7 +1,10 @@
 """`instrument(model)`: the same layers, with a scaling point at every call of
 a layer with weights, and `scales(model)` to read them."""
 
+import dataclasses
 import re
+import warnings
+from typing import Optional
 
 import keras
 from keras.src import backend as keras_backend
@@ -9,7 +12,9 @@ from keras.src import tree
 from keras.src.models.functional import operation_fn
 
 from tf_als import backward
+from tf_als import composite
 from tf_als import graph
+from tf_als import hooks
 from tf_als import link
 from tf_als import optimizer as optimizer_module
 from tf_als import state
@@ -67,17 +72,64 @@ def scales(model: keras.Model) -> dict[str, float]:
     Raises:
         TypeError: `model` was not returned by `tf_als.instrument`.
     """
-    if not isinstance(model, InstrumentedModel):
-        raise TypeError(
-            "tf_als.scales() needs a model returned by tf_als.instrument(); "
-            f"received {type(model).__name__} "
-            f"{getattr(model, 'name', model)!r}. Instrument it first: "
-            "`model = tf_als.instrument(model)`."
-        )
+    _require_instrumented(model, "tf_als.scales()")
     return {
         point.point_name: float(keras.ops.convert_to_numpy(point.scale))
         for point in model.scaling_points
     }
+
+
+@dataclasses.dataclass(frozen=True)
+class PointInfo:
+    """One scaling point of an instrumented model, as `tf_als.points` lists it.
+
+    Attributes:
+        name: the point's name, as `tf_als.scales` reports it.
+        layer: the class name of the layer the point calls.
+        kind: `"layer"`, a call of a layer that owns weights directly;
+            `"composite"`, an opened layer without weights of its own,
+            whose scale lifts everything its call computes backwards
+            (its weighted sublayers are points of their own, listed after
+            it); `"closed"`, a layer with weighted sublayers that could not
+            be opened, so one scale serves all of its weights.
+        reason: for `"closed"`, why it was not opened; else None.
+    """
+
+    name: str
+    layer: str
+    kind: str
+    reason: Optional[str] = None
+
+
+def points(model: keras.Model) -> list[PointInfo]:
+    """Every scaling point of an instrumented model, in the order of
+    `tf_als.scales`, with the composite layers that stayed closed and why.
+
+    Raises:
+        TypeError: `model` was not returned by `tf_als.instrument`.
+
+    Example:
+
+    ```python
+    for point in tf_als.points(model):
+        print(point.name, point.kind, point.reason or "")
+    # encoder/attention        composite
+    # encoder/attention/query  layer
+    # ...
+    ```
+    """
+    _require_instrumented(model, "tf_als.points()")
+    return list(model.point_infos)
+
+
+def _require_instrumented(model, what):
+    if not isinstance(model, InstrumentedModel):
+        raise TypeError(
+            f"{what} needs a model returned by tf_als.instrument(); "
+            f"received {type(model).__name__} "
+            f"{getattr(model, 'name', model)!r}. Instrument it first: "
+            "`model = tf_als.instrument(model)`."
+        )
 
 
 @keras.saving.register_keras_serializable(package="tf_als")
@@ -104,6 +156,8 @@ class InstrumentedModel(keras.Model):
             )
         plan = graph.read(model)
         _check_plan(plan)
+        inner = _inner_points(plan)
+        _check_inner(inner)
         kwargs.setdefault("name", f"{model.name}_instrumented")
         super().__init__(**kwargs)
         # Inputs reach the layers exactly as they reach the original model.
@@ -111,10 +165,15 @@ class InstrumentedModel(keras.Model):
         self._allow_non_tensor_positional_args = True
         self.model = model
         self._plan = plan
+        self._inner = tuple(enumerate(inner, start=len(plan.point_names)))
+        names = list(plan.point_names) + [i.name for i in inner]
         self.scaling_points = [
             state.ScalingPoint(point_name=name, name=_variable_name(name))
-            for name in plan.point_names
+            for name in names
         ]
+        for i in inner:
+            hooks.install(i.layer)
+        _warn_closed(self)
         # Keras keeps the list as its own list type, which tf.train.Checkpoint
         # does not follow, and nothing else refers to the points: track each
         # one by position (names change when a model is rebuilt in the same
@@ -131,6 +190,30 @@ class InstrumentedModel(keras.Model):
         """The `tf_als.graph.Plan` the model runs."""
         return self._plan
 
+    @property
+    def point_infos(self) -> tuple:
+        """A `PointInfo` per scaling point, aligned with `scaling_points`."""
+        infos = [
+            _top_info(name, self._plan.calls[index].operation)
+            for name, index in zip(self._plan.point_names, self._plan.point_calls)
+        ]
+        for _, inner in self._inner:
+            infos.append(
+                PointInfo(
+                    name=inner.name,
+                    layer=type(inner.layer).__name__,
+                    kind="closed" if inner.reason else "layer",
+                    reason=inner.reason,
+                )
+            )
+        return tuple(infos)
+
+    @property
+    def point_layers(self) -> tuple:
+        """The layer each scaling point calls, aligned with `scaling_points`."""
+        top = [self._plan.calls[i].operation for i in self._plan.point_calls]
+        return tuple(top + [inner.layer for _, inner in self._inner])
+
     def call(self, inputs, training=None, mask=None):
         since = link.serial()
         return _run(
@@ -140,6 +223,7 @@ class InstrumentedModel(keras.Model):
             training,
             mask,
             lambda: link.controller(self, since),
+            self._inner,
         )
 
     def compile(self, optimizer="rmsprop", *args, **kwargs):
@@ -204,10 +288,10 @@ def _with_guard(callbacks):
     return callbacks
 
 
-def _run(plan, points, inputs, training, mask, find_controller):
+def _run(plan, points, inputs, training, mask, find_controller, inner=()):
     """Runs `plan` on `inputs` with scaling points, forks and alignments,
     exactly as `Functional.call` runs the original graph."""
-    back = backward.Backward(plan, points, find_controller)
+    back = backward.Backward(plan, points, find_controller, inner)
     top = graph.functional_of(plan.model)
     values, edges = {}, {}
 
@@ -259,6 +343,58 @@ def _run(plan, points, inputs, training, mask, find_controller):
     if isinstance(outputs, (list, tuple)) and len(outputs) == 1:
         return outputs[0]
     return outputs
+
+
+def _inner_points(plan):
+    """The inner points of every opened point of `plan`, in point order."""
+    found = []
+    first = len(plan.point_names)
+    for index, (name, call_index) in enumerate(
+        zip(plan.point_names, plan.point_calls)
+    ):
+        layer = plan.calls[call_index].operation
+        if not isinstance(layer, keras.layers.Layer):
+            continue
+        if composite.closed_reason(layer) or not composite.has_weighted_sublayers(layer):
+            continue
+        found += composite.inner_points(layer, name, index, first + len(found))
+    return found
+
+
+def _check_inner(inner):
+    for point in inner:
+        if getattr(point.layer, "activity_regularizer", None) is not None:
+            raise ValueError(
+                f"Layer {point.name!r} has weights and an activity "
+                "regularizer; tf_als cannot route the regularizer's gradient "
+                "through the layer's scaling point. Move the regularizer "
+                "into a `keras.layers.ActivityRegularization` layer after it."
+            )
+
+
+def _top_info(name, layer):
+    """The `PointInfo` of a point of the plan (a call in the model's graph)."""
+    kind, reason = "layer", None
+    if isinstance(layer, keras.layers.Layer) and composite.has_weighted_sublayers(layer):
+        reason = composite.closed_reason(layer)
+        if reason is not None:
+            kind = "closed"
+        elif not composite.own_weights(layer):
+            kind = "composite"
+    return PointInfo(name=name, layer=type(layer).__name__, kind=kind, reason=reason)
+
+
+def _warn_closed(model):
+    closed = [p for p in model.point_infos if p.kind == "closed"]
+    if closed:
+        listing = "; ".join(f"{p.name!r} ({p.layer}): {p.reason}" for p in closed)
+        warnings.warn(
+            f"tf_als.instrument({model.model.name!r}): {len(closed)} "
+            f"layer(s) with weighted sublayers stay one scaling point each, "
+            f"so one scale serves all of their weights: {listing}. "
+            "tf_als.points(model) lists every point.",
+            stacklevel=3,
+        )
 
 
 def _check_plan(plan):
