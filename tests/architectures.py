@@ -428,7 +428,10 @@ def _bert_tokens(batch=4, length=8, vocabulary=50, seed=0):
 HUB_CASES = (
     Case("gpt2", causal_lm(gpt2_backbone), _lm_tokens, _classification_loss()),
     Case("llama", causal_lm(llama_backbone), _lm_tokens, _classification_loss()),
-    Case("gemma", causal_lm(gemma_backbone), _lm_tokens, _classification_loss()),
+    Case(
+        "gemma", causal_lm(gemma_backbone), _lm_tokens, _classification_loss(),
+        slow=True,
+    ),
     Case(
         "bert",
         classifier(bert_backbone, lambda out: out["pooled_output"]),
@@ -446,6 +449,7 @@ HUB_CASES = (
         classifier(resnet_backbone, lambda out: out),
         lambda: _images(batch=4, size=16, classes=4),
         _classification_loss(),
+        slow=True,
     ),
 )
 

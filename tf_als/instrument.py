@@ -32,8 +32,12 @@ def instrument(model: keras.Model) -> "InstrumentedModel":
     Args:
         model: a built Sequential or Functional `keras.Model` with at least
             one float16 layer that owns weights. Nested Sequential/Functional
-            models are instrumented layer by layer; other layers (subclassed
-            models used as layers included) are one scaling point each.
+            models are instrumented layer by layer. Composite layers (custom
+            layers, `MultiHeadAttention`, subclassed models used as layers,
+            KerasHub blocks) are opened: each weighted sublayer they call is
+            a scaling point too (see `tf_als.composite`). Recurrent layers
+            and `TimeDistributed` stay one point; a warning names them and
+            `tf_als.points(model)` gives the reason.
 
     Returns:
         An `InstrumentedModel` (a `keras.Model`).
