@@ -31,6 +31,22 @@ def _case_params(slow=(), cases=COMPOSITE_CASES):
         yield pytest.param(case, id=case.name, marks=marks)
 
 
+def _trainable(case, **compile_kwargs):
+    """The case's mixed model, instrumented and compiled with scale updates
+    on every step, and its batch."""
+    _, model = case.build_pair()
+    x, y = case.data()
+    instrumented = tf_als.instrument(model)
+    instrumented.compile(
+        optimizer=tf_als.AdaptiveLossScaleOptimizer(
+            keras.optimizers.Adam(1e-3), update_interval=1
+        ),
+        loss=case.loss,
+        **compile_kwargs,
+    )
+    return instrumented, x, y
+
+
 def _leaf_calls(model, x):
     """Counts, independently of tf_als, the calls of layers that own
     variables directly (Keras's own per-layer variable lists) in one
@@ -89,16 +105,7 @@ def test_fit_measures_every_inner_point(mixed, case, jit_compile):
     """Two `fit` steps with scale updates on every step: the loss stays
     finite, and every point, inner ones included, recorded an update (its
     `last_update` starts at -1) and holds a power-of-two scale."""
-    _, model = case.build_pair()
-    x, y = case.data()
-    instrumented = tf_als.instrument(model)
-    instrumented.compile(
-        optimizer=tf_als.AdaptiveLossScaleOptimizer(
-            keras.optimizers.Adam(1e-3), update_interval=1
-        ),
-        loss=case.loss,
-        jit_compile=jit_compile,
-    )
+    instrumented, x, y = _trainable(case, jit_compile=jit_compile)
     history = instrumented.fit(x, y, epochs=2, batch_size=len(y), verbose=0)
     assert np.all(np.isfinite(history.history["loss"]))
     for point in instrumented.scaling_points:
@@ -117,15 +124,7 @@ def test_fit_measures_every_inner_point(mixed, case, jit_compile):
     ),
 )
 def test_save_load_and_resume_is_bitwise_equal(mixed, case, tmp_path):
-    _, model = case.build_pair()
-    x, y = case.data()
-    instrumented = tf_als.instrument(model)
-    instrumented.compile(
-        optimizer=tf_als.AdaptiveLossScaleOptimizer(
-            keras.optimizers.Adam(1e-3), update_interval=1
-        ),
-        loss=case.loss,
-    )
+    instrumented, x, y = _trainable(case)
     instrumented.fit(x, y, epochs=2, batch_size=len(y), verbose=0)
     path = os.path.join(tmp_path, "model.keras")
     instrumented.save(path)

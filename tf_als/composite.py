@@ -82,6 +82,16 @@ def has_weighted_sublayers(layer) -> bool:
     )
 
 
+def opens(layer) -> bool:
+    """Whether tf_als opens `layer`: a layer with weighted sublayers that
+    is not of a closed type."""
+    return (
+        isinstance(layer, keras.layers.Layer)
+        and has_weighted_sublayers(layer)
+        and closed_reason(layer) is None
+    )
+
+
 def inner_points(layer, name: str, index: int, first: int) -> list:
     """The `Inner` points inside `layer`, the point `index` named `name`,
     depth first in attribute order; the first gets index `first`.
@@ -106,7 +116,7 @@ def inner_points(layer, name: str, index: int, first: int) -> list:
                     walk(sublayer, path, parent)
                     continue
             reason = closed_reason(sublayer)
-            opened = reason is None and has_weighted_sublayers(sublayer)
+            opened = opens(sublayer)
             point = first + len(found)
             found.append(
                 Inner(

@@ -45,11 +45,6 @@ def install(layer) -> bool:
     return True
 
 
-def is_installed(layer) -> bool:
-    current = vars(layer).get("call")
-    return getattr(current, "__func__", None) is _hooked_call
-
-
 def _hooked_call(layer, *args, **kwargs):
     function = types.MethodType(type(layer).call, layer)
     stack = _stack()

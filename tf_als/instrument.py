@@ -357,9 +357,7 @@ def _inner_points(plan):
         zip(plan.point_names, plan.point_calls)
     ):
         layer = plan.calls[call_index].operation
-        if not isinstance(layer, keras.layers.Layer):
-            continue
-        if composite.closed_reason(layer) or not composite.has_weighted_sublayers(layer):
+        if not composite.opens(layer):
             continue
         found += composite.inner_points(layer, name, index, first + len(found))
     return found
