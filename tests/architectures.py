@@ -131,6 +131,31 @@ def transformer():
     return keras.Model(tokens, outputs, name="transformer")
 
 
+def post_ln_transformer(blocks=2, dim=64, heads=4, length=32, vocabulary=200):
+    """A post-LN Transformer encoder (LayerNormalization after each residual
+    add, as in the original Transformer and BERT): gradients grow on the
+    way back through every LayerNormalization."""
+    tokens = keras.Input((length,), dtype="int32")
+    x = layers.Embedding(vocabulary, dim)(tokens)
+    for _ in range(blocks):
+        attention = layers.MultiHeadAttention(heads, dim // heads)(x, x)
+        x = layers.LayerNormalization()(layers.Add()([x, attention]))
+        y = layers.Dense(4 * dim, activation="gelu")(x)
+        y = layers.Dense(dim)(y)
+        x = layers.LayerNormalization()(layers.Add()([x, y]))
+    x = layers.GlobalAveragePooling1D()(x)
+    outputs = layers.Dense(8, dtype="float32")(x)
+    return keras.Model(tokens, outputs, name="post_ln_transformer")
+
+
+def post_ln_tokens(batches, batch=32, length=32, vocabulary=200, classes=8):
+    """`batches` batches of token ids whose label is a function of the
+    first four tokens (learnable, so the loss and gradients keep moving)."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, vocabulary, size=(batches * batch, length)).astype("int32")
+    return x, x[:, :4].sum(axis=1) % classes
+
+
 def _tokens(batch=16, length=12, vocabulary=50, classes=5, seed=0):
     rng = np.random.default_rng(seed)
     x = rng.integers(0, vocabulary, size=(batch, length)).astype("int32")

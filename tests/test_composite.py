@@ -200,7 +200,9 @@ def test_underflow_inside_attention_is_rescued(mixed):
     11.7%); with the attention projections as points of their own, tf_als
     flushes at most 0.1% and keeps the direction (cosine >= 0.999; measured
     0% and 1.0000). Both are compared with float32 gradients of the same
-    weights on the same batch."""
+    weights on the same batch. `tf_als.diagnose` flags the four projections
+    under Keras's scaling (more than 1% of a row's kernel and bias
+    elements flushed) and no layer under tf_als (none above 0.1%)."""
     from tests import gradients
 
     case = next(c for c in architectures.HUB_CASES if c.name == "bert")
@@ -233,3 +235,12 @@ def test_underflow_inside_attention_is_rescued(mixed):
         assert lost(ours) <= 0.001, variable.path
         assert gradients.compare(ours, truth)["cosine"] >= 0.999, variable.path
     assert checked == 4
+
+    # diagnose sees the same, one row per projection.
+    report = tf_als.diagnose(model, x, y, loss=loss, verbose=False)
+    projections = {
+        r.point for r in report.rows if r.point.endswith(("/query", "/key"))
+    }
+    assert len(projections) == 4, [r.point for r in report.rows]
+    assert projections <= set(report.underflowing(0.01)), str(report)
+    assert report.underflowing(0.001, scaling="tf_als") == [], str(report)

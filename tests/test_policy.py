@@ -399,7 +399,7 @@ def test_statistics_single_element(run):
 #
 # Rule (policy module docstring): with a = amax * backoff,
 # k_cap = largest k with a * 2**k * margin <= 65504;
-# s = 2**clip(k_cap, 0, log2(max_layer_scale));
+# s = 2**clip(k_cap, -log2(inherited), log2(max_layer_scale));
 # s = current if amax == 0 or amax is not finite.
 # Defaults below: margin 2**12, ceiling 2**15, backoff 1, current 64.
 
@@ -411,7 +411,8 @@ def _stats_like(amax):
 
 def _choose_table(run, rows):
     """rows: dicts with amax, expected and optionally current,
-    max_layer_scale, margin, backoff (Python floats, passed as constants);
+    max_layer_scale, margin, backoff, inherited (Python floats, passed as
+    constants);
     amax and current are passed as tensors. One traced call for all."""
 
     def fn(amaxes, currents):
@@ -421,7 +422,8 @@ def _choose_table(run, rows):
                 current,
                 row.get("max_layer_scale", 2.0**15),
                 row.get("margin", 2.0**12),
-                *([row["backoff"]] if "backoff" in row else []),
+                row.get("backoff", 1.0),
+                row.get("inherited", 1.0),
             )
             for row, amax, current in zip(rows, amaxes, currents)
         ]
@@ -488,6 +490,32 @@ def test_choose_scale_clips_to_one_and_the_ceiling(run):
             # kernels flush them to zero, so they count as all-zero.)
             dict(amax=2.0**-126, expected=2.0**15),
             dict(amax=2.0**-126, max_layer_scale=2.0**7, expected=2.0**7),
+        ],
+    )
+
+
+def test_choose_scale_gives_back_inherited_lift(run):
+    """A point whose gradient arrives with too little headroom gives back
+    the lift T_out it inherited from downstream, as far as T_in = 1."""
+    _choose_table(
+        run,
+        [
+            # 16 * 2**(k+12) = 2**(k+16) -> k = -1: half of 64 given back.
+            dict(amax=16.0, inherited=64.0, expected=0.5),
+            # 65504 -> k = -12, but no lower than 1/64.
+            dict(amax=F16_MAX, inherited=64.0, expected=2.0**-6),
+            dict(amax=1e30, inherited=64.0, expected=2.0**-6),
+            dict(amax=3e38, inherited=2.0**20, expected=2.0**-20),
+            # Headroom left: the inherited lift changes nothing.
+            dict(amax=2.0**-10, inherited=64.0, expected=2.0**13),
+            dict(amax=F16_MAX / 2**12, inherited=64.0, expected=1.0),
+            # One ulp above that equality -> k = -1.
+            dict(amax=next_up(F16_MAX / 2**12), inherited=64.0, expected=0.5),
+            # Back-off counts as before: 16 * 2 * 2**(k+12) -> k = -2.
+            dict(amax=16.0, backoff=2.0, inherited=64.0, expected=0.25),
+            # Unusable gradients keep the current scale.
+            dict(amax=float("nan"), inherited=64.0, current=0.5, expected=0.5),
+            dict(amax=0.0, inherited=64.0, current=0.25, expected=0.25),
         ],
     )
 

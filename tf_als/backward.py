@@ -404,6 +404,7 @@ class Backward:
                 controller.max_layer_scale,
                 controller.overflow_margin,
                 backoff,
+                scale_out,
             )
             record = state_module.record_vector(scale * scale_out, statistics)
             assigns = [

@@ -68,6 +68,15 @@ def own_weights(layer) -> list:
     return [w for w in layer.weights if id(w) not in inner]
 
 
+def point_weights(layer) -> list:
+    """The trainable weights whose gradients a scaling point of `layer`
+    unscales: its own, when it is opened (its weighted sublayers are points
+    of their own), else all of them."""
+    weights = own_weights(layer) if opens(layer) else layer.weights
+    trainable = {id(w) for w in layer.trainable_weights}
+    return [w for w in weights if id(w) in trainable]
+
+
 def closed_reason(layer) -> Optional[str]:
     """Why `layer`'s weighted sublayers cannot be opened, or None."""
     for closed_type, reason in CLOSED_TYPES:

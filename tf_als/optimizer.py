@@ -31,7 +31,11 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
         amax  = max |g|
         s_n   = 2 ** clip(largest k with amax * 2**k * overflow_margin
-                          <= float16 max, 0, log2(max_layer_scale))
+                          <= float16 max, -log2(T_out), log2(max_layer_scale))
+
+    where T_out is the lift the gradient already carries from the points
+    downstream: a point whose incoming gradient has no headroom left gives
+    that lift back, down to Keras's global scale alone, and no further.
 
     (kept when g is all zero or not finite), and records the
     `underflow_rate` percentile q of the nonzero |g| (tfp.stats.percentile)

@@ -10,7 +10,7 @@ carrying the global scale S and the downstream per-layer scales):
     q     = underflow_rate-quantile of the nonzero |g|    (tfp.stats.percentile)
     amax  = max |g| * max(1, S_initial / S)
     k_cap = largest k with  amax * 2**k * overflow_margin <= FLOAT16_MAX
-    s     = 2 ** clip(k_cap, 0, log2(max_layer_scale))
+    s     = 2 ** clip(k_cap, -log2(T_out), log2(max_layer_scale))
     s     = previous s   if g is all zero or not finite
     underflow reported   if q * s < FLOAT16_MIN_NORMAL
 
@@ -25,6 +25,17 @@ The scale aims as high as safety allows rather than at the smallest scale that
 lifts q: underflow also happens inside a layer's own backward pass, where q
 cannot see it, and the margin below float16's maximum is what keeps that
 backward pass (and the layers above it) from overflowing.
+
+A scale below 1 gives back lift. The gradient reaching a point already
+carries T_out, the lift chosen by the points downstream of it, from their
+own gradients. Gradients often grow on the way back (a post-LN residual
+stream grows through every LayerNormalization), so a lift that was safe
+where it was chosen can leave no headroom further up, and a point that could
+only keep or raise it would overflow there: a skipped step and a halved
+global scale, where Keras's single scale would not have skipped. Such a
+point takes s < 1, as far as T_in = s * T_out = 1 and no further: the
+gradient is then scaled exactly as Keras's global scale alone would scale
+it, never less.
 """
 
 from typing import NamedTuple
@@ -158,6 +169,7 @@ def choose_scale(
     max_layer_scale,
     overflow_margin,
     backoff=1.0,
+    inherited=1.0,
 ) -> tf.Tensor:
     """Returns the new per-layer scale (float32, a power of two).
 
@@ -175,12 +187,24 @@ def choose_scale(
             amax is judged as if that back-off had not happened, so that a
             per-layer scale never undoes it: when gradients overflow
             somewhere, halving the global scale halves them everywhere.
+        inherited: float32 scalar, a power of two >= 1: T_out, the lift the
+            gradient already carries from the points downstream. The scale
+            goes no lower than 1 / inherited, so that T_in >= 1.
 
     Example (amax 2**-10, margin 2**12: the cap is 2**(15 + 10 - 12)):
 
     >>> stats = gradient_statistics(tf.constant([2.0**-10]), 0.01)
     >>> float(choose_scale(stats, 1.0, 2.0**15, 2.0**12))
     8192.0
+
+    An amax of 2**4 allows k = -1; inherited lift 2**6 lets the point give
+    that much back, and no inherited lift keeps 1:
+
+    >>> stats = gradient_statistics(tf.constant([16.0]), 0.01)
+    >>> float(choose_scale(stats, 1.0, 2.0**15, 2.0**12, inherited=64.0))
+    0.5
+    >>> float(choose_scale(stats, 1.0, 2.0**15, 2.0**12))
+    1.0
     """
     amax = tf.cast(statistics.amax, tf.float32) * tf.cast(backoff, tf.float32)
     max_exponent = _pow2.floor_log2(tf.cast(max_layer_scale, tf.float32))
@@ -192,7 +216,8 @@ def choose_scale(
     # amax * margin * 2**cap < 2**16, but may still exceed 65504.
     too_big = reach * _pow2.pow2(cap) > FLOAT16_MAX
     cap = cap - tf.cast(too_big, tf.int32)
-    exponent = tf.clip_by_value(cap, 0, max_exponent)
+    min_exponent = -_pow2.floor_log2(tf.cast(inherited, tf.float32))
+    exponent = tf.clip_by_value(cap, min_exponent, max_exponent)
     usable = tf.logical_and(amax > 0.0, tf.math.is_finite(amax))
     return tf.where(
         usable, _pow2.pow2(exponent), tf.cast(current_scale, tf.float32)

@@ -9,11 +9,13 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_als import composite
 from tf_als import graph
 from tf_als.instrument import InstrumentedModel
 from tf_als.optimizer import AdaptiveLossScaleOptimizer
 
 MAX_HALVINGS = 64
+FLOAT32_RESOLUTION = 2.0**-23
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +27,9 @@ class LayerReport:
         layer: the layer's name.
         keras_underflow: fraction of the layer's weight-gradient elements
             that are exactly zero with Keras's loss scaling but nonzero in
-            float32 (flushed to zero by underflow).
+            float32 (flushed to zero by underflow). Float32 values below
+            2**-23 times the row's largest are float32's own rounding
+            residue and do not count.
         keras_error: relative error |g - g32| / |g32| of those gradients.
         als_underflow, als_error: the same with tf_als.
         als_scale: the per-layer scale tf_als picked on this batch.
@@ -47,7 +51,9 @@ class Diagnosis:
     """The report `diagnose` returns (and prints).
 
     Attributes:
-        rows: one `LayerReport` per scaling point, in execution order.
+        rows: one `LayerReport` per scaling point with trainable weights of
+            its own (the weighted layers inside opened composites each
+            have theirs), in the order of `tf_als.points`.
         keras_loss_scale: the global scale at which Keras's loss scaling gave
             finite gradients (it starts at 2**15 and halves, as in training).
         als_loss_scale: the same for tf_als.
@@ -61,14 +67,25 @@ class Diagnosis:
     als_loss_scale: float
     non_finite: Optional[str]
 
-    def underflowing(self, threshold: float = 0.01) -> list:
-        """Points where Keras's loss scaling flushes more than `threshold`
-        of the weight-gradient elements."""
-        return [r.point for r in self.rows if r.keras_underflow > threshold]
+    def underflowing(self, threshold: float = 0.01, scaling: str = "keras") -> list:
+        """Points where a scaling flushes more than `threshold` of the
+        weight-gradient elements that are nonzero in float32.
+
+        Args:
+            threshold: float in [0, 1).
+            scaling: `"keras"` (Keras's global loss scale) or `"tf_als"`.
+        """
+        if scaling not in ("keras", "tf_als"):
+            raise ValueError(
+                f'`scaling` must be "keras" or "tf_als"; received {scaling!r}.'
+            )
+        field = "keras_underflow" if scaling == "keras" else "als_underflow"
+        return [r.point for r in self.rows if getattr(r, field) > threshold]
 
     def __str__(self):
+        width = max([len("scaling point")] + [len(r.point) for r in self.rows])
         header = (
-            f"{'scaling point':<32} {'keras underflow':>15} {'keras error':>11}"
+            f"{'scaling point':<{width}} {'keras underflow':>15} {'keras error':>11}"
             f" {'tf_als underflow':>16} {'tf_als error':>12} {'tf_als scale':>12}"
         )
         lines = [
@@ -80,7 +97,7 @@ class Diagnosis:
         ]
         for r in self.rows:
             lines.append(
-                f"{r.point[:32]:<32} {r.keras_underflow:>15.2%} "
+                f"{r.point:<{width}} {r.keras_underflow:>15.2%} "
                 f"{r.keras_error:>11.2e} {r.als_underflow:>16.2%} "
                 f"{r.als_error:>12.2e} {r.als_scale:>12g}"
             )
@@ -246,8 +263,15 @@ def _until_finite(compute, scale, pair=False):
 
 
 def _flushed(gradient, reference):
+    """Fraction of elements that are zero in `gradient` while `reference`
+    (float32) resolves them: above float32's relative precision, 2**-23,
+    times the row's largest magnitude. Smaller float32 values are rounding
+    residue (attention's key bias, whose true gradient is 0, comes out of
+    float32 at 1e-18 next to kernel gradients of 1e-11)."""
     gradient, reference = np.concatenate(gradient), np.concatenate(reference)
-    return float(np.mean((gradient == 0) & (reference != 0)))
+    magnitude = np.abs(reference)
+    resolved = magnitude > FLOAT32_RESOLUTION * magnitude.max(initial=0.0)
+    return float(np.mean((gradient == 0) & resolved))
 
 
 def _relative_error(gradient, reference):
@@ -259,13 +283,16 @@ def _relative_error(gradient, reference):
 
 
 def _rows(instrumented, mixed, expected, keras_grads, als_grads):
+    """A row per scaling point with weight gradients of its own: every
+    weighted layer, inside opened composites too."""
     index = {id(v): i for i, v in enumerate(mixed.trainable_variables)}
     rows = []
-    for point, call_index in zip(instrumented.scaling_points, instrumented.plan.point_calls):
-        layer = instrumented.plan.calls[call_index].operation
-        positions = [index[id(v)] for v in layer.trainable_weights if id(v) in index]
+    for point, layer in zip(instrumented.scaling_points, instrumented.point_layers):
+        positions = [
+            index[id(v)] for v in composite.point_weights(layer) if id(v) in index
+        ]
         if not positions:
-            continue  # A frozen layer: no weight gradients to compare.
+            continue  # Frozen, or an opened layer without weights of its own.
 
         def pick(grads):
             return [np.ravel(grads[i]) for i in positions]

@@ -22,7 +22,8 @@ class ScalingPoint(keras.layers.Layer):
 
     Variables (non-trainable):
 
-    - `scale`: float32 scalar, s_n, the per-layer scale, a power of two >= 1.
+    - `scale`: float32 scalar, s_n, the per-layer scale, a power of two
+      >= 1 / T_out(n) (below 1 it gives back lift inherited from downstream).
     - `record`: float32 vector, what the last update measured and decided,
       fields in `RECORD_FIELDS` order:
       `cumulative_scale` T_in(n) = s_n * T_out(n), the scale (relative to
