@@ -317,6 +317,36 @@ class Encoder(keras.Model):
         return {**super().get_config(), "units": self.units}
 
 
+@keras.saving.register_keras_serializable(package="tf_als_tests")
+class Classifier(keras.Model):
+    """A subclassed model at the top: a projection, an `Encoder`, pooling,
+    a float32 head, and a weight of its own (a learned temperature)."""
+
+    def __init__(self, units, classes, **kwargs):
+        super().__init__(**kwargs)
+        self.units, self.classes = units, classes
+        self.project = layers.Dense(units)
+        self.encoder = Encoder(units)
+        self.pool = layers.GlobalAveragePooling1D()
+        self.head = layers.Dense(classes, dtype="float32")
+        self.temperature = self.add_weight(
+            shape=(), initializer="ones", name="temperature"
+        )
+
+    def call(self, x, training=None):
+        x = self.encoder(self.project(x), training=training)
+        return self.head(self.pool(x)) * self.temperature
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units, "classes": self.classes}
+
+
+def subclassed():
+    model = Classifier(16, 4, name="classifier")
+    model(np.zeros((1, 6, 16), "float32"))
+    return model
+
+
 def composite_layers():
     """A custom composite layer and a subclassed model used as a layer."""
     inputs = keras.Input((6, 16))
@@ -489,6 +519,7 @@ CASES = (
     Case("two_in_two_out", two_in_two_out, _two_in_two_out_data, _TwoHeadLoss()),
     Case("integer_inputs", integer_inputs, _counts, _classification_loss()),
     Case("composite_layers", composite_layers, _token_vectors, _classification_loss()),
+    Case("subclassed", subclassed, _token_vectors, _classification_loss()),
     Case(
         "resnet50",
         resnet50,
@@ -514,7 +545,7 @@ COMPOSITE_NAMES_CASE = HUB_CASES[0]
 # tf_als: "expected 1 variables, but received 0"); saving uses
 # classification heads on the same decoders.
 SAVE_CASES = tuple(c for c in ALL_CASES if c.name in (
-    "transformer", "composite_layers", "bert", "vit", "resnet_backbone"
+    "transformer", "composite_layers", "subclassed", "bert", "vit", "resnet_backbone"
 )) + (
     Case(
         "gpt2_classifier",

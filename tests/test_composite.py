@@ -21,7 +21,8 @@ from tests import architectures
 
 COMPOSITE_CASES = [
     c for c in architectures.ALL_CASES
-    if c.name in ("transformer", "composite_layers") or c in architectures.HUB_CASES
+    if c.name in ("transformer", "composite_layers", "subclassed")
+    or c in architectures.HUB_CASES
 ]
 
 

@@ -162,7 +162,29 @@ def test_save_and_load_keeps_scales_and_sharing(mixed, tmp_path):
 # -- errors ---------------------------------------------------------------
 
 
-def test_subclassed_model_is_refused(mixed):
+def test_subclassed_model_at_the_top_is_opened(mixed):
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.hidden = layers.Dense(4, activation="relu")
+            self.out = layers.Dense(2)
+
+        def call(self, x):
+            return self.out(self.hidden(x))
+
+    net = Net()
+    x = np.ones((1, 3), "float32")
+    expected = np.asarray(net(x))
+    instrumented = tf_als.instrument(net)
+    assert [(p.name, p.kind) for p in tf_als.points(instrumented)] == [
+        (net.name, "composite"),
+        (f"{net.name}/{net.hidden.name}", "layer"),
+        (f"{net.name}/{net.out.name}", "layer"),
+    ]
+    np.testing.assert_array_equal(np.asarray(instrumented(x)), expected)
+
+
+def test_unbuilt_subclassed_model_is_refused(mixed):
     class Net(keras.Model):
         def __init__(self):
             super().__init__()
@@ -171,10 +193,8 @@ def test_subclassed_model_is_refused(mixed):
         def call(self, x):
             return self.dense(x)
 
-    net = Net()
-    net(np.ones((1, 3), "float32"))
-    with pytest.raises(TypeError, match="subclassed model.*Functional"):
-        tf_als.instrument(net)
+    with pytest.raises(ValueError, match="has no weights yet.*model\\(x\\)"):
+        tf_als.instrument(Net())
 
 
 def test_instrumenting_twice_is_refused(mixed):

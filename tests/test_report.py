@@ -7,6 +7,7 @@ import pytest
 from sklearn.datasets import load_digits
 
 import tf_als
+from tests import architectures
 from tests import gradients
 from tests import test_underflow
 
@@ -138,3 +139,18 @@ def test_needs_a_loss(mixed):
     x, y = _digits_batch()
     with pytest.raises(ValueError, match="loss="):
         tf_als.diagnose(model, x, y)
+
+
+def test_subclassed_model_is_refused_with_the_way_out(mixed):
+    model = architectures.subclassed()
+    x, y = architectures.CASES[0].data()
+    with pytest.raises(TypeError, match="diagnose.*subclassed.*Functional"):
+        tf_als.diagnose(model, x, y, loss="sparse_categorical_crossentropy")
+
+
+def test_underflowing_checks_its_scaling_argument(mixed):
+    report = tf_als.report.Diagnosis(
+        rows=(), keras_loss_scale=1.0, als_loss_scale=1.0, non_finite=None
+    )
+    with pytest.raises(ValueError, match='`scaling` must be "keras" or "tf_als"; received \'als\''):
+        report.underflowing(scaling="als")

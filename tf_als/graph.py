@@ -5,7 +5,9 @@ called in which order, which tensors ("slots") each call reads and writes,
 who consumes each slot (that is where gradients fork), and which calls are
 scaling points. Nested Sequential/Functional models are flattened into the
 plan, so their layers get scaling points of their own; any other layer,
-including subclassed models used as layers, is one opaque call.
+including subclassed models used as layers, is one call in the plan (which
+`tf_als.composite` may open). A subclassed model has no graph: its plan is
+empty (`empty_plan`) and the model runs as one opened point.
 """
 
 import dataclasses
@@ -139,6 +141,31 @@ def is_flattenable(operation) -> bool:
     )
 
 
+def is_subclassed(model) -> bool:
+    """True for a `keras.Model` with its own `call` (no layer graph to read):
+    neither Sequential nor a Functional model with Keras's `call`."""
+    return (
+        isinstance(model, keras.Model)
+        and not isinstance(model, Sequential)
+        and not (isinstance(model, Functional) and type(model).call is Functional.call)
+    )
+
+
+def empty_plan(model) -> Plan:
+    """The plan of a subclassed model: no graph, so no calls; the model is
+    run as one opened point (see `tf_als.instrument`)."""
+    return Plan(
+        model=model,
+        calls=(),
+        input_slots=(),
+        output_slots=(),
+        consumers={},
+        float_slots=frozenset(),
+        point_names=(),
+        point_calls=(),
+    )
+
+
 def functional_of(model, argument="model"):
     """The Functional graph of a built Sequential or Functional model."""
     if isinstance(model, Sequential):
@@ -164,12 +191,8 @@ def functional_of(model, argument="model"):
 
 _SUBCLASSED_MESSAGE = (
     "`{argument}` is a subclassed model ({model.__class__.__name__} "
-    "{model.name!r}); tf_als.instrument needs the layer graph of a Sequential "
-    "or Functional model to place its scaling points. Build the same layers "
-    "functionally instead (`inputs = keras.Input(...)`, "
-    "`outputs = layer(inputs)`, `keras.Model(inputs, outputs)`); a subclassed "
-    "model may be used as one layer inside such a model, where it becomes a "
-    "single scaling point."
+    "{model.name!r}), which has no layer graph to read; this needs a "
+    "Sequential or Functional model."
 )
 
 

@@ -11,6 +11,7 @@ from keras.src import backend as keras_backend
 from keras.src import tree
 from keras.src.models.functional import operation_fn
 
+from tf_als import _keras
 from tf_als import backward
 from tf_als import composite
 from tf_als import graph
@@ -30,20 +31,22 @@ def instrument(model: keras.Model) -> "InstrumentedModel":
     `tf_als.AdaptiveLossScaleOptimizer` under the `mixed_float16` policy.
 
     Args:
-        model: a built Sequential or Functional `keras.Model` with at least
-            one float16 layer that owns weights. Nested Sequential/Functional
-            models are instrumented layer by layer. Composite layers (custom
-            layers, `MultiHeadAttention`, subclassed models used as layers,
-            KerasHub blocks) are opened: each weighted sublayer they call is
-            a scaling point too (see `tf_als.composite`). Recurrent layers
-            and `TimeDistributed` stay one point; a warning names them and
+        model: a built `keras.Model` (Sequential, Functional or subclassed)
+            with at least one float16 layer that owns weights. Nested
+            Sequential/Functional models are instrumented layer by layer.
+            Composite layers (custom layers, `MultiHeadAttention`, subclassed
+            models, KerasHub blocks) are opened: each weighted sublayer they
+            call is a scaling point too (see `tf_als.composite`); a
+            subclassed model at the top is one opened point, with every
+            weighted layer it calls inside it. Recurrent layers and
+            `TimeDistributed` stay one point; a warning names them and
             `tf_als.points(model)` gives the reason.
 
     Returns:
         An `InstrumentedModel` (a `keras.Model`).
 
     Raises:
-        TypeError: `model` is not a Sequential or Functional model.
+        TypeError: `model` is not a `keras.Model`.
         ValueError: `model` is already instrumented, not built, has no
             float16 layer with weights, or uses something tf_als cannot
             scale (the message says what and what to do).
@@ -138,7 +141,7 @@ def _require_instrumented(model, what):
 
 @keras.saving.register_keras_serializable(package="tf_als")
 class InstrumentedModel(keras.Model):
-    """A Sequential/Functional model run with per-layer adaptive loss scales.
+    """A model run with per-layer adaptive loss scales.
 
     Made by `tf_als.instrument(model)`; see there. It shares `model`'s layers
     (and so its weights), runs the same layer calls in the same order, and
@@ -147,7 +150,7 @@ class InstrumentedModel(keras.Model):
     (`scaling_points`), saved with the model and in checkpoints.
 
     Args:
-        model: the built Sequential or Functional model to instrument.
+        model: the built model to instrument.
         **kwargs: `keras.Model` arguments (`name`, ...).
     """
 
@@ -158,9 +161,14 @@ class InstrumentedModel(keras.Model):
                 "compile()/fit() as it is (instrumenting twice would scale "
                 "every gradient twice)."
             )
-        plan = graph.read(model)
-        _check_plan(plan)
-        inner = _inner_points(plan)
+        if graph.is_subclassed(model):
+            _check_subclassed(model)
+            plan = graph.empty_plan(model)
+            inner = _root_points(model)
+        else:
+            plan = graph.read(model)
+            _check_plan(plan)
+            inner = _inner_points(plan)
         _check_inner(inner)
         kwargs.setdefault("name", f"{model.name}_instrumented")
         super().__init__(**kwargs)
@@ -176,7 +184,8 @@ class InstrumentedModel(keras.Model):
             for name in names
         ]
         for i in inner:
-            hooks.install(i.layer)
+            if i.parent is not None:  # Not the root of a subclassed model.
+                hooks.install(i.layer)
         _warn_closed(self)
         # Keras keeps the list as its own list type, which tf.train.Checkpoint
         # does not follow, and nothing else refers to the points: track each
@@ -184,9 +193,10 @@ class InstrumentedModel(keras.Model):
         # process; positions follow the plan and do not).
         for index, point in enumerate(self.scaling_points):
             self._track_trackable(point, name=f"scaling_point_{index}")
-        functional = graph.functional_of(model)
-        if hasattr(functional, "output_names"):
-            self.output_names = list(functional.output_names)
+        if not graph.is_subclassed(model):
+            functional = graph.functional_of(model)
+            if hasattr(functional, "output_names"):
+                self.output_names = list(functional.output_names)
         self.built = True
 
     @property
@@ -201,15 +211,7 @@ class InstrumentedModel(keras.Model):
             _top_info(name, self._plan.calls[index].operation)
             for name, index in zip(self._plan.point_names, self._plan.point_calls)
         ]
-        for _, inner in self._inner:
-            infos.append(
-                PointInfo(
-                    name=inner.name,
-                    layer=type(inner.layer).__name__,
-                    kind="closed" if inner.reason else "layer",
-                    reason=inner.reason,
-                )
-            )
+        infos += [_top_info(inner.name, inner.layer) for _, inner in self._inner]
         return tuple(infos)
 
     @property
@@ -220,15 +222,19 @@ class InstrumentedModel(keras.Model):
 
     def call(self, inputs, training=None, mask=None):
         since = link.serial()
-        return _run(
+        back = backward.Backward(
             self._plan,
             self.scaling_points,
-            inputs,
-            training,
-            mask,
             lambda: link.controller(self, since),
             self._inner,
         )
+        if graph.is_subclassed(self.model):
+            # The model is point 0, opened: Keras's own `__call__` runs it
+            # (casts, masks carried by the inputs, `training`), and its
+            # weighted sublayers are the points inside.
+            kwargs = {} if training is None else {"training": training}
+            return back.inner_point(0, self.model, (inputs,), kwargs)
+        return _run(self._plan, back, inputs, training, mask)
 
     def compile(self, optimizer="rmsprop", *args, **kwargs):
         if optimizer is not None and not isinstance(
@@ -292,10 +298,10 @@ def _with_guard(callbacks):
     return callbacks
 
 
-def _run(plan, points, inputs, training, mask, find_controller, inner=()):
-    """Runs `plan` on `inputs` with scaling points, forks and alignments,
-    exactly as `Functional.call` runs the original graph."""
-    back = backward.Backward(plan, points, find_controller, inner)
+def _run(plan, back, inputs, training, mask):
+    """Runs `plan` on `inputs` with the scaling points, forks and alignments
+    of `back` (a `tf_als.backward.Backward`), exactly as `Functional.call`
+    runs the original graph."""
     top = graph.functional_of(plan.model)
     values, edges = {}, {}
 
@@ -363,6 +369,35 @@ def _inner_points(plan):
     return found
 
 
+def _root_points(model):
+    """A subclassed model's points: the model itself, opened (point 0, its
+    own weights and what its `call` computes outside any sublayer), then
+    every weighted layer inside it."""
+    root = composite.Inner(
+        name=model.name, layer=model, parent=None, opened=True, reason=None
+    )
+    return [root] + composite.inner_points(model, model.name, 0, 1)
+
+
+def _check_subclassed(model):
+    name = model.name
+    if not model.built or not model.weights:
+        raise ValueError(
+            f"Subclassed model {name!r} has no weights yet; "
+            "tf_als.instrument() needs a built model. Call it on a batch "
+            "first (`model(x)`), or build it (`model.build(input_shape)`)."
+        )
+    layers = [model] + _keras.sublayers(model, recursive=True)
+    if not any(
+        layer.weights and getattr(layer, "compute_dtype", None) == "float16"
+        for layer in layers
+    ):
+        raise ValueError(_NO_FLOAT16.format(name=name, policy=model.dtype_policy.name))
+    for layer in layers[1:]:
+        if isinstance(layer, InstrumentedModel):
+            raise ValueError(_INSTRUMENTED_INSIDE.format(name=name, layer=layer.name))
+
+
 def _check_inner(inner):
     for point in inner:
         if getattr(point.layer, "activity_regularizer", None) is not None:
@@ -399,6 +434,20 @@ def _warn_closed(model):
         )
 
 
+_NO_FLOAT16 = (
+    "Model {name!r} computes nothing in float16 (its layers' policy is "
+    "{policy!r}); float32 and bfloat16 gradients do not underflow, so loss "
+    "scaling is unnecessary. To train in float16, call "
+    "`keras.mixed_precision.set_global_policy('mixed_float16')` before "
+    "building the model."
+)
+_INSTRUMENTED_INSIDE = (
+    "Model {name!r} contains the instrumented model {layer!r} as a layer; "
+    "its gradients would be scaled twice. Build the outer model from the "
+    "original model (`{layer}.model`) and instrument the outer one."
+)
+
+
 def _check_plan(plan):
     name = plan.model.name
     if not plan.point_names:
@@ -413,22 +462,12 @@ def _check_plan(plan):
         for call in plan.calls
     ):
         raise ValueError(
-            f"Model {name!r} computes nothing in float16 (its layers' policy "
-            f"is {plan.model.dtype_policy.name!r}); float32 and bfloat16 "
-            "gradients do not underflow, so loss scaling is unnecessary. "
-            "To train in float16, call "
-            "`keras.mixed_precision.set_global_policy('mixed_float16')` "
-            "before building the model."
+            _NO_FLOAT16.format(name=name, policy=plan.model.dtype_policy.name)
         )
     for call in plan.calls:
         layer = call.operation
         if isinstance(layer, InstrumentedModel):
-            raise ValueError(
-                f"Model {name!r} contains the instrumented model "
-                f"{layer.name!r} as a layer; its gradients would be scaled "
-                "twice. Build the outer model from the original model "
-                f"(`{layer.name}.model`) and instrument the outer one."
-            )
+            raise ValueError(_INSTRUMENTED_INSIDE.format(name=name, layer=layer.name))
         if call.point is not None and getattr(layer, "activity_regularizer", None):
             raise ValueError(
                 f"Layer {layer.name!r} has weights and an activity "

@@ -136,7 +136,15 @@ def diagnose(model, x, y, loss=None, *, training=True, verbose=True) -> Diagnosi
     """
     source = model.model if isinstance(model, InstrumentedModel) else model
     loss_fn = _loss_function(model, loss)
-    graph.functional_of(source)  # Subclassed models: a clear error.
+    if graph.is_subclassed(source):
+        raise TypeError(
+            f"diagnose() needs a Sequential or Functional model; "
+            f"{type(source).__name__} {source.name!r} is subclassed, and "
+            "diagnose() rebuilds its float32 reference from the layer graph. "
+            "Instrumenting and training it work; to diagnose, run the same "
+            "layers in a Functional model (`keras.Model(inputs, model(inputs))`)."
+        )
+    graph.functional_of(source)  # Any other model: a clear error.
     mixed = source if _computes_in_float16(source) else _clone(source, "mixed_float16")
     reference = _clone(source, "float32")
 
