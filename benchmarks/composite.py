@@ -44,7 +44,7 @@ def _run(case, adaptive, steps):
     start = time.perf_counter()
     model.fit(data, steps_per_epoch=steps, epochs=1, verbose=0)
     step = (time.perf_counter() - start) / steps
-    points = len(tf_als.points(model)) if adaptive else 0
+    points = len(model.scaling_points) if adaptive else 0
     return points, setup, step
 
 

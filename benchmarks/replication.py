@@ -120,26 +120,26 @@ def scale_of(scaler):
 
 
 class UnderflowProbe:
-    """Measures a run's per-layer underflow on a fixed batch, on copies."""
+    """Measures a (mixed_float16) run's per-layer underflow on a fixed
+    batch, with the run's own layers: the float32 reference runs them under
+    a float32 policy for the duration (as `tf_als.diagnose` does); nothing
+    the run's compiled train function uses changes."""
 
     def __init__(self, model, x, y):
         import keras
 
         import tf_als
-        from tf_als import report
 
         self.plain = model.model if isinstance(model, tf_als.InstrumentedModel) else model
         self.x, self.y = x, y
         self.loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-        self.reference = report._clone(self.plain, "float32")
-        self.mixed = report._clone(self.plain, "mixed_float16")
         self.live_points = getattr(model, "scaling_points", None)
         # Never linked to an optimizer, so its scales stay as copied.
-        self.probe = tf_als.InstrumentedModel(self.mixed) if self.live_points else None
-        index = {id(v): i for i, v in enumerate(self.mixed.trainable_variables)}
+        self.probe = tf_als.InstrumentedModel(self.plain) if self.live_points else None
+        index = {id(v): i for i, v in enumerate(self.plain.trainable_variables)}
         self.layers = [
             (layer.name, [index[id(v)] for v in layer.trainable_weights])
-            for layer in self.mixed.layers
+            for layer in self.plain.layers
             if layer.trainable_weights
         ]
 
@@ -148,22 +148,22 @@ class UnderflowProbe:
         import keras
         import numpy as np
 
+        from tf_als import _keras
         from tf_als import report
 
-        weights = self.plain.get_weights()
-        self.reference.set_weights(weights)
-        self.mixed.set_weights(weights)
-        expected = report._gradients(
-            self.reference, self.reference.trainable_variables, self.x, self.y, self.loss, True
-        )
+        variables = self.plain.trainable_variables
+        with _keras.dtype_policy(_keras.all_layers(self.plain), "float32"):
+            expected, _ = report._gradients(
+                self.plain, variables, self.x, self.y, self.loss, True
+            )
         scale = float(keras.ops.convert_to_numpy(optimizer.dynamic_scale))
-        model = self.mixed
+        model = self.plain
         if self.probe is not None:
             for live, copy in zip(self.live_points, self.probe.scaling_points):
                 copy.scale.assign(live.scale)
             model = self.probe
-        grads = report._gradients(
-            model, self.mixed.trainable_variables, self.x, self.y, self.loss, True, scale
+        grads, _ = report._gradients(
+            model, variables, self.x, self.y, self.loss, True, scale
         )
         result = {}
         for name, positions in self.layers:

@@ -99,7 +99,7 @@ def test_forward_outputs_are_bitwise_equal(mixed, case, training):
 
 
 @pytest.mark.parametrize(
-    "case", list(_case_params(slow=("llama", "gemma", "bert", "resnet_backbone")))
+    "case", list(_case_params(slow=("llama", "gemma", "bert", "resnet_backbone", "vit")))
 )
 @pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
 def test_fit_measures_every_inner_point(mixed, case, jit_compile):
@@ -119,7 +119,7 @@ def test_fit_measures_every_inner_point(mixed, case, jit_compile):
     "case",
     list(
         _case_params(
-            slow=("llama_classifier", "bert", "resnet_backbone"),
+            slow=("llama_classifier", "bert", "resnet_backbone", "vit"),
             cases=architectures.SAVE_CASES,
         )
     ),

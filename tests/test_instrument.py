@@ -262,3 +262,52 @@ def test_instrumented_model_inside_another_is_refused(mixed):
     outer = keras.Model(inputs, inner(inputs))
     with pytest.raises(ValueError, match="scaled twice.*instrument the outer"):
         tf_als.instrument(outer)
+
+
+def _compiled_two_headed(optimizer):
+    _, model = architectures.CASES[7].build_pair()  # two_in_two_out
+    model.compile(
+        optimizer=optimizer,
+        loss={"label": "sparse_categorical_crossentropy", "value": "mse"},
+        loss_weights={"label": 1.0, "value": 0.25},
+        metrics={"label": ["accuracy"]},
+        jit_compile=False,
+    )
+    return model
+
+
+def test_instrumenting_a_compiled_model_keeps_its_compile(mixed):
+    model = _compiled_two_headed(keras.optimizers.Adam(1e-3))
+    # Keras wrapped the Adam in its LossScaleOptimizer (mixed_float16).
+    wrapped = model.optimizer
+    instrumented = tf_als.instrument(model)
+    assert instrumented.compiled
+    optimizer = instrumented.optimizer
+    assert isinstance(optimizer, tf_als.AdaptiveLossScaleOptimizer)
+    assert optimizer.inner_optimizer is wrapped.inner_optimizer
+    assert optimizer.initial_scale == wrapped.initial_scale
+    ours, theirs = instrumented.get_compile_config(), model.get_compile_config()
+    ours.pop("optimizer"), theirs.pop("optimizer")
+    assert ours == theirs
+    x, y = architectures.CASES[7].data()
+    y = {"label": y[0], "value": y[1]}
+    history = instrumented.fit(x, y, epochs=1, verbose=0)
+    assert {"loss", "label_accuracy"} <= set(history.history)
+
+
+def test_instrumenting_a_compiled_model_carries_the_optimizer_over(mixed):
+    optimizer = tf_als.AdaptiveLossScaleOptimizer(keras.optimizers.SGD())
+    instrumented = tf_als.instrument(_compiled_two_headed(optimizer))
+    assert instrumented.optimizer is optimizer
+    keras_scaling = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(), initial_scale=2.0**10, dynamic_growth_steps=50
+    )
+    instrumented = tf_als.instrument(_compiled_two_headed(keras_scaling))
+    assert instrumented.optimizer.inner_optimizer is keras_scaling.inner_optimizer
+    assert instrumented.optimizer.initial_scale == 2.0**10
+    assert instrumented.optimizer.dynamic_growth_steps == 50
+
+
+def test_an_uncompiled_model_gives_an_uncompiled_one(mixed):
+    _, model = architectures.CASES[0].build_pair()
+    assert not tf_als.instrument(model).compiled

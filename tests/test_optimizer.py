@@ -7,6 +7,7 @@ that was not instrumented, exactly the parent's behaviour (bitwise).
 import copy
 import json
 import re
+import warnings
 
 import keras
 import numpy as np
@@ -159,7 +160,7 @@ def test_rejects_inner_loss_scale_optimizer(wrapper):
         (dict(use_ema=True), "use_ema"),
         (dict(loss_scale_factor=2.0), "loss_scale_factor"),
         # ...and unknown ones.
-        (dict(not_an_argument=1), "not_an_argument"),
+        (dict(not_an_argument=1), "not_an_argument"),  # (tf_als: suggests)
         (dict(dynamic=False), "dynamic"),
     ],
 )
@@ -168,6 +169,45 @@ def test_parent_rejects_unsupported_kwargs(kwargs, match):
         LSO(keras.optimizers.SGD(), **kwargs)
     with pytest.raises(ValueError, match=match):
         ALS(keras.optimizers.SGD(), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, suggestion",
+    [
+        (dict(update_intervall=10), "update_interval"),
+        (dict(max_layer_scal=2.0**10), "max_layer_scale"),
+        (dict(overflowmargin=2.0**10), "overflow_margin"),
+        (dict(initial_scal=2.0**10), "initial_scale"),
+        (dict(completely_unrelated=1), None),
+    ],
+)
+def test_unknown_keyword_names_the_class_and_suggests(kwargs, suggestion):
+    (key,) = kwargs
+    hint = f" Did you mean `{suggestion}`\\?" if suggestion else " Its arguments"
+    with pytest.raises(
+        ValueError,
+        match=f"AdaptiveLossScaleOptimizer got an unexpected keyword argument `{key}`.{hint}",
+    ):
+        ALS(keras.optimizers.SGD(), **kwargs)
+
+
+def test_warns_once_on_a_model_that_was_not_instrumented(mixed):
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    optimizer = ALS(keras.optimizers.SGD())
+    model.compile(optimizer=optimizer, loss="mse")
+    x, y = np.ones((4, 3), "float32"), np.ones((4, 2), "float32")
+    with pytest.warns(UserWarning, match="not instrumented: per-layer scaling is off") as caught:
+        model.fit(x, y, epochs=2, batch_size=2, verbose=0)
+    assert len([w for w in caught if "not instrumented" in str(w.message)]) == 1
+
+
+def test_does_not_warn_on_an_instrumented_model(mixed):
+    model = tf_als.instrument(keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)]))
+    model.compile(optimizer=ALS(keras.optimizers.SGD()), loss="mse")
+    x, y = np.ones((4, 3), "float32"), np.ones((4, 2), "float32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        model.fit(x, y, epochs=1, batch_size=2, verbose=0)
 
 
 def test_accepts_parent_default_kwargs():

@@ -7,6 +7,7 @@ import warnings
 from typing import Optional
 
 import keras
+import tensorflow as tf
 from keras.src import backend as keras_backend
 from keras.src import tree
 from keras.src.models.functional import operation_fn
@@ -43,7 +44,12 @@ def instrument(model: keras.Model) -> "InstrumentedModel":
             `tf_als.points(model)` gives the reason.
 
     Returns:
-        An `InstrumentedModel` (a `keras.Model`).
+        An `InstrumentedModel` (a `keras.Model`). If `model` is compiled, it
+        comes compiled the same way (loss, loss weights, metrics, weighted
+        metrics, `jit_compile`, ...), with `model`'s optimizer wrapped in an
+        `AdaptiveLossScaleOptimizer` unless it is one already (from a Keras
+        `LossScaleOptimizer`, its inner optimizer, initial scale and growth
+        steps are carried over).
 
     Raises:
         TypeError: `model` is not a `keras.Model`.
@@ -65,7 +71,27 @@ def instrument(model: keras.Model) -> "InstrumentedModel":
     )
     ```
     """
-    return InstrumentedModel(model)
+    instrumented = InstrumentedModel(model)
+    arguments = _keras.compile_arguments(model)
+    if arguments is not None:
+        arguments["optimizer"] = _adaptive(model.optimizer)
+        instrumented.compile(**arguments)
+    return instrumented
+
+
+def _adaptive(optimizer):
+    """`optimizer` as an `AdaptiveLossScaleOptimizer`."""
+    if optimizer is None or isinstance(
+        optimizer, optimizer_module.AdaptiveLossScaleOptimizer
+    ):
+        return optimizer
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return optimizer_module.AdaptiveLossScaleOptimizer(
+            optimizer.inner_optimizer,
+            initial_scale=optimizer.initial_scale,
+            dynamic_growth_steps=optimizer.dynamic_growth_steps,
+        )
+    return optimizer_module.AdaptiveLossScaleOptimizer(optimizer)
 
 
 def scales(model: keras.Model) -> dict[str, float]:
@@ -262,6 +288,46 @@ class InstrumentedModel(keras.Model):
         else:
             kwargs["callbacks"] = _with_guard(kwargs.get("callbacks"))
         return super().fit(*args, **kwargs)
+
+    def export(
+        self, filepath, format="tf_saved_model", verbose=None, input_signature=None, **kwargs
+    ):
+        """`keras.Model.export` of the original model, which shares this
+        model's layers and weights and computes the same outputs, bit for
+        bit: scaling points exist for training only, so the artifact has
+        no custom gradients and loads without tf_als.
+
+        Example:
+
+        ```python
+        model.fit(x, y)
+        model.export("serving")                   # after training
+        reloaded = tf.saved_model.load("serving")  # tf_als not needed
+        reloaded.serve(x)                          # == model.predict(x)
+        ```
+        """
+        return self.model.export(
+            filepath,
+            format=format,
+            verbose=verbose,
+            input_signature=input_signature,
+            **kwargs,
+        )
+
+    @property
+    def _default_save_signature(self):
+        # `tf.saved_model.save(model, path)` serves the original model's
+        # forward pass with the signature `export` gives it (Keras finds no
+        # inputs on this model, and tracing its own call would save custom
+        # gradients).
+        model = self.model
+        specs = _keras.serving_specs(model)
+
+        @tf.function(input_signature=specs)
+        def serving_default(*inputs):
+            return model(*inputs, training=False)
+
+        return serving_default
 
     def compile_from_config(self, config):
         # Keras skips compiling on load when `compile` is overridden; ours

@@ -33,8 +33,7 @@ def bind(model, optimizer):
     Raises:
         ValueError: `optimizer` already drives another live model.
     """
-    current = getattr(optimizer, "_tf_als_model", None)
-    current = current() if current is not None else None
+    current = model_of(optimizer)
     if current is not None and current is not model:
         raise ValueError(
             f"Optimizer {optimizer.name!r} already drives the scale updates of "
@@ -44,6 +43,12 @@ def bind(model, optimizer):
         )
     optimizer._tf_als_model = weakref.ref(model)
     model._tf_als_optimizer = weakref.ref(optimizer)
+
+
+def model_of(optimizer):
+    """The live model `optimizer` is linked to, or None."""
+    linked = getattr(optimizer, "_tf_als_model", None)
+    return linked() if linked is not None else None
 
 
 def controller(model, since):

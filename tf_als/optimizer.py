@@ -1,8 +1,11 @@
 """`AdaptiveLossScaleOptimizer`: Keras's dynamic loss scaling, plus the knobs
 and the link that drive per-layer scales in an instrumented model."""
 
+import difflib
+import inspect
 import math
 import numbers
+import warnings
 
 import keras
 import tensorflow as tf
@@ -104,6 +107,7 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         name: str | None = None,
         **kwargs,
     ):
+        _check_keywords(kwargs)
         _check_inner(inner_optimizer)
         _check_positive_number("initial_scale", initial_scale)
         _check_int("dynamic_growth_steps", dynamic_growth_steps)
@@ -136,12 +140,15 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             None if max_consecutive_skips is None else int(max_consecutive_skips)
         )
         self._finite_flags = None
+        self._loss_finite = None
+        self._warned_plain = False
 
     def build(self, var_list):
         super().build(var_list)
         # Steps skipped in a row, and at the first of them [index of the
         # trainable variable closest to the loss whose gradient was not
-        # finite (-1: not recorded), how many were not finite].
+        # finite (-1: not recorded), how many were not finite, whether the
+        # loss itself was finite (1, 0; -1: not recorded)].
         self.consecutive_skips = self.add_variable(
             shape=(),
             dtype="int32",
@@ -150,7 +157,7 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             name="consecutive_skips",
         )
         self.first_non_finite = self.add_variable(
-            shape=(2,),
+            shape=(3,),
             dtype="int32",
             initializer=keras.initializers.Constant(-1),
             aggregation="none",
@@ -158,12 +165,29 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         )
 
     def apply(self, grads, trainable_variables=None):
+        self._warn_if_plain()
         try:
             super().apply(grads, trainable_variables)
         finally:
-            self._finite_flags = None
+            self._finite_flags = self._loss_finite = None
         if tf.executing_eagerly():
             self.check_skips()
+
+    def _warn_if_plain(self):
+        """Warns once when gradients reach this optimizer without an
+        instrumented model behind them (its backward pass links the two
+        before any gradient is applied)."""
+        if self._warned_plain or link.model_of(self) is not None:
+            return
+        self._warned_plain = True
+        warnings.warn(
+            f"AdaptiveLossScaleOptimizer {self.name!r} is applying gradients "
+            "of a model that was not instrumented: per-layer scaling is off, "
+            "and this is exactly Keras's LossScaleOptimizer. Instrument the "
+            "model to turn it on: `model = tf_als.instrument(model)` before "
+            "compiling (or before the custom training loop).",
+            stacklevel=3,
+        )
 
     def check_finite(self, grads):
         # As Keras's, but keeps the per-variable flags for the record made
@@ -188,10 +212,14 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if flags is not None and _reachable(flags):
             bad = tf.logical_not(flags)
             positions = tf.range(tf.size(flags, out_type=tf.int32))
+            loss_finite = self._loss_finite
+            if loss_finite is None or not _reachable(loss_finite):
+                loss_finite = tf.constant(-1)
             record = tf.stack(
                 [
                     tf.reduce_max(tf.where(bad, positions, -1)),
                     tf.reduce_sum(tf.cast(bad, tf.int32)),
+                    tf.cast(loss_finite, tf.int32),
                 ]
             )
             first = tf.equal(self.consecutive_skips, 0)
@@ -200,7 +228,7 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             )
         self.consecutive_skips.assign_add(1)
 
-    def check_skips(self) -> None:
+    def check_skips(self, attempted: int | None = None) -> None:
         """Raises `tf_als.storm.NonFiniteStormError` if the last
         `max_consecutive_skips` steps were all skipped.
 
@@ -212,17 +240,26 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             train_step(x, y)          # a tf.function that calls apply()
             optimizer.check_skips()
         ```
+
+        Args:
+            attempted: how many batches the loop has run, if known; the
+                message then counts steps as the loop does (skipped ones
+                included).
         """
         if self.max_consecutive_skips is None or not self.built:
             return
         skips = int(keras.ops.convert_to_numpy(self.consecutive_skips))
         if skips >= self.max_consecutive_skips:
-            raise storm.NonFiniteStormError(storm.describe(self, skips))
+            raise storm.NonFiniteStormError(storm.describe(self, skips, attempted))
 
     def scale_loss(self, loss: tf.Tensor) -> tf.Tensor:
         """Multiplies `loss` by the global scale S, and announces this
         optimizer to the instrumented model whose gradients come next."""
         link.announce(self)
+        # Kept for the record of a skipped step: was the loss itself finite?
+        self._loss_finite = tf.reduce_all(
+            tf.math.is_finite(tf.cast(tf.convert_to_tensor(loss), tf.float32))
+        )
         return super().scale_loss(loss)
 
     def get_config(self):
@@ -235,6 +272,39 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             max_consecutive_skips=self.max_consecutive_skips,
         )
         return config
+
+
+# Keyword arguments Keras's LossScaleOptimizer takes besides its named ones
+# (`dynamic`, and base optimizer defaults that old configs carry).
+_PARENT_KEYWORDS = (
+    "dynamic",
+    "weight_decay",
+    "clipnorm",
+    "global_clipnorm",
+    "clipvalue",
+    "use_ema",
+    "ema_momentum",
+    "ema_overwrite_frequency",
+    "loss_scale_factor",
+    "gradient_accumulation_steps",
+)
+
+
+def _check_keywords(kwargs):
+    named = [
+        p for p in inspect.signature(AdaptiveLossScaleOptimizer.__init__).parameters
+        if p not in ("self", "kwargs")
+    ]
+    for key in kwargs:
+        if key in _PARENT_KEYWORDS:
+            continue
+        close = difflib.get_close_matches(key, named + list(_PARENT_KEYWORDS), n=1)
+        hint = f" Did you mean `{close[0]}`?" if close else ""
+        # ValueError, as Keras's LossScaleOptimizer raises for these.
+        raise ValueError(
+            f"AdaptiveLossScaleOptimizer got an unexpected keyword argument "
+            f"`{key}`.{hint} Its arguments: {', '.join(named)}."
+        )
 
 
 def _check_inner(inner_optimizer):

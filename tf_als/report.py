@@ -1,5 +1,11 @@
 """`diagnose(model, x, y)`: one batch in float32, in float16 with Keras's
-global loss scaling, and in float16 with tf_als, compared layer by layer."""
+global loss scaling, and in float16 with tf_als, compared layer by layer.
+
+All three runs use the model's own layers and weights: the float32 reference
+runs them with every layer's dtype policy switched to float32 for the
+duration (the float32 variables are the master weights of mixed precision
+anyway), so no copy is built and no `get_config` round trip is needed.
+"""
 
 import dataclasses
 import math
@@ -9,12 +15,14 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_als import _keras
 from tf_als import composite
 from tf_als import graph
 from tf_als.instrument import InstrumentedModel
 from tf_als.optimizer import AdaptiveLossScaleOptimizer
 
 MAX_HALVINGS = 64
+START_SCALE = 2.0**15
 FLOAT32_RESOLUTION = 2.0**-23
 
 
@@ -55,17 +63,20 @@ class Diagnosis:
             its own (the weighted layers inside opened composites each
             have theirs), in the order of `tf_als.points`.
         keras_loss_scale: the global scale at which Keras's loss scaling gave
-            finite gradients (it starts at 2**15 and halves, as in training).
+            finite gradients (it starts at 2**15 and halves, as in
+            training), or None if no scale did.
         als_loss_scale: the same for tf_als.
-        non_finite: when gradients at the starting scale were not finite,
-            which layer they first became non-finite in (walking from the
-            loss towards the inputs); None otherwise.
+        non_finite: what was not finite and where, when the loss or the
+            gradients at the starting scale were not finite; else None.
+        no_gradient: paths of the trainable variables the loss does not
+            reach (no gradient in float32 either).
     """
 
     rows: tuple
-    keras_loss_scale: float
-    als_loss_scale: float
+    keras_loss_scale: Optional[float]
+    als_loss_scale: Optional[float]
     non_finite: Optional[str]
+    no_gradient: tuple = ()
 
     def underflowing(self, threshold: float = 0.01, scaling: str = "keras") -> list:
         """Points where a scaling flushes more than `threshold` of the
@@ -90,8 +101,8 @@ class Diagnosis:
         )
         lines = [
             "tf_als precision report: weight gradients vs float32, one batch",
-            f"global loss scale: keras {self.keras_loss_scale:g}, "
-            f"tf_als {self.als_loss_scale:g}",
+            f"global loss scale: keras {_describe_scale(self.keras_loss_scale)}, "
+            f"tf_als {_describe_scale(self.als_loss_scale)}",
             header,
             "-" * len(header),
         ]
@@ -101,22 +112,43 @@ class Diagnosis:
                 f"{r.keras_error:>11.2e} {r.als_underflow:>16.2%} "
                 f"{r.als_error:>12.2e} {r.als_scale:>12g}"
             )
+        if self.no_gradient:
+            lines.append(
+                "no gradient (the loss does not reach these variables): "
+                + ", ".join(self.no_gradient)
+            )
         if self.non_finite:
-            lines.append(f"non-finite gradients: {self.non_finite}")
+            lines.append(self.non_finite)
         return "\n".join(lines)
+
+
+def _describe_scale(scale):
+    if scale is None:
+        return f"none (not finite at any scale down to 2**{15 - MAX_HALVINGS})"
+    return f"{scale:g}"
 
 
 def diagnose(model, x, y, loss=None, *, training=True, verbose=True) -> Diagnosis:
     """Compares float32, Keras's loss scaling and tf_als on one batch.
 
-    Works on a plain Sequential/Functional model or on one returned by
-    `tf_als.instrument` (neither is changed: the comparison uses copies and
-    a fresh instrumentation sharing the layers). The float16 runs use the
-    model's own layers when it computes in float16, else a mixed_float16
-    copy; the reference is a float32 copy with the same weights.
+    Works on any model `tf_als.instrument` accepts, plain or instrumented;
+    neither is changed. The float16 runs use the model's layers as they are
+    when the model computes in float16, else under `mixed_float16`; the
+    float32 reference runs the same layers and weights with every layer's
+    dtype policy switched to float32 meanwhile.
+
+    A layer that fixes dtype-dependent constants when it is built keeps
+    them in the reference: `keras.layers.Normalization` holds its mean and
+    variance in its compute dtype, so a float16 build compares against a
+    reference normalised with float16-rounded statistics.
+
+    When the loss or the gradients are not finite, the report says which:
+    a float16 forward pass that overflows is re-run eagerly to name the
+    first layer whose output is not finite (while its inputs are); a loss
+    that is not finite in float32 either points at the data.
 
     Args:
-        model: a built Sequential/Functional model, or an instrumented one.
+        model: a built `keras.Model`, or one returned by `tf_als.instrument`.
         x, y: one batch of inputs and targets.
         loss: a Keras loss (name, function or object); defaults to the
             model's compiled loss.
@@ -131,62 +163,71 @@ def diagnose(model, x, y, loss=None, *, training=True, verbose=True) -> Diagnosi
     ```python
     report = tf_als.diagnose(model, x[:64], y[:64],
                              loss="sparse_categorical_crossentropy")
-    report.underflowing()   # ["dense", "dense_1"]
+    report.underflowing()                   # ["dense", "dense_1"]
+    report.underflowing(scaling="tf_als")   # []
     ```
     """
     source = model.model if isinstance(model, InstrumentedModel) else model
     loss_fn = _loss_function(model, loss)
-    if graph.is_subclassed(source):
+    if not isinstance(source, keras.Model):
         raise TypeError(
-            f"diagnose() needs a Sequential or Functional model; "
-            f"{type(source).__name__} {source.name!r} is subclassed, and "
-            "diagnose() rebuilds its float32 reference from the layer graph. "
-            "Instrumenting and training it work; to diagnose, run the same "
-            "layers in a Functional model (`keras.Model(inputs, model(inputs))`)."
+            f"diagnose() needs a keras.Model; received {type(source).__name__}."
         )
-    graph.functional_of(source)  # Any other model: a clear error.
-    mixed = source if _computes_in_float16(source) else _clone(source, "mixed_float16")
-    reference = _clone(source, "float32")
+    layers = _keras.all_layers(source)
+    variables = source.trainable_variables
+    with _keras.dtype_policy(layers, "float32"):
+        expected, loss32 = _gradients(source, variables, x, y, loss_fn, training)
+    mixed = None if _computes_in_float16(layers) else "mixed_float16"
+    with _keras.dtype_policy(layers, mixed):
+        return _compare(
+            source, variables, x, y, loss_fn, training, expected, loss32, verbose
+        )
 
-    expected = _gradients(reference, reference.trainable_variables, x, y, loss_fn, training)
-    start = 2.0**15
 
+def _compare(source, variables, x, y, loss_fn, training, expected, loss32, verbose):
     def keras_gradients(scale):
-        return _gradients(mixed, mixed.trainable_variables, x, y, loss_fn, training, scale)
+        return _gradients(source, variables, x, y, loss_fn, training, scale)
 
-    keras_grads, keras_scale = _until_finite(keras_gradients, start)
+    (keras_grads, loss16), keras_scale = _until_finite(keras_gradients)
 
     def als_gradients(scale, max_layer_scale=2.0**15):
-        instrumented = InstrumentedModel(mixed)
+        instrumented = InstrumentedModel(source)
         optimizer = AdaptiveLossScaleOptimizer(
             keras.optimizers.SGD(0.0),
             initial_scale=scale,
             update_interval=1,
             max_layer_scale=max_layer_scale,
         )
-        grads = _gradients(
+        grads, value = _gradients(
             instrumented, instrumented.trainable_variables, x, y, loss_fn,
             training, scale, optimizer,
         )
-        return grads, instrumented
+        return grads, value, instrumented
 
-    (als_grads, instrumented), als_scale = _until_finite(
-        lambda s: als_gradients(s), start, pair=True
-    )
+    (als_grads, _, instrumented), als_scale = _until_finite(als_gradients)
 
     non_finite = None
-    if keras_scale != start or not _finite(keras_grads):
+    if not np.isfinite(loss32):
+        non_finite = (
+            "The loss is not finite in float32 either: check the inputs and "
+            "labels for NaN or inf (e.g. np.isfinite(x).all()) and whether "
+            "the loss can overflow."
+        )
+    elif not np.isfinite(loss16):
+        non_finite = _forward_message(source, x, training)
+    elif keras_scale != START_SCALE:
         # Replay Keras's first step through scaling points held at 1, which
         # record where the gradient stops being finite.
-        probe_grads, probe = als_gradients(start, max_layer_scale=1.0)
-        non_finite = _locate_non_finite(probe, mixed, probe_grads)
+        probe_grads, _, probe = als_gradients(START_SCALE, max_layer_scale=1.0)
+        non_finite = _locate_non_finite(probe, probe_grads)
 
-    rows = _rows(instrumented, mixed, expected, keras_grads, als_grads)
+    present = [g is not None for g in expected]
     diagnosis = Diagnosis(
-        rows=tuple(rows),
+        rows=tuple(_rows(instrumented, present, expected, keras_grads, als_grads)),
         keras_loss_scale=keras_scale,
         als_loss_scale=als_scale,
         non_finite=non_finite,
+        no_gradient=tuple(v.path for v, p in zip(variables, present) if not p),
     )
     if verbose:
         print(diagnosis)
@@ -204,70 +245,52 @@ def _loss_function(model, loss):
     return keras.losses.get(loss) if isinstance(loss, str) else loss
 
 
-def _computes_in_float16(model):
+def _computes_in_float16(layers):
     return any(
-        getattr(call.operation, "compute_dtype", None) == "float16"
-        for call in graph.read(model).calls
+        layer.weights and getattr(layer, "compute_dtype", None) == "float16"
+        for layer in layers
     )
 
 
-def _clone(model, policy):
-    def clone_layer(layer):
-        config = layer.get_config()
-        if not isinstance(layer, keras.layers.InputLayer):
-            config["dtype"] = policy
-        return layer.__class__.from_config(config)
-
-    # clone_model also compiles the copy from the model's compile config,
-    # which fails for unregistered custom losses or optimizers and which
-    # the copy does not need; the flag is restored at once.
-    compiled = getattr(model, "compiled", False)
-    model.compiled = False
-    try:
-        clone = keras.models.clone_model(model, clone_function=clone_layer)
-    finally:
-        model.compiled = compiled
-    clone.set_weights(model.get_weights())
-    return clone
-
-
 def _gradients(model, variables, x, y, loss_fn, training, scale=1.0, optimizer=None):
-    """The scaled gradients of one batch divided by `scale`, computed in a
-    `tf.function` as `fit` computes them (on some CPUs TensorFlow's graph
-    kernels round float16 differently from its eager ones)."""
+    """(the scaled gradients of one batch divided by `scale`, the loss),
+    computed in a `tf.function` as `fit` computes them (on some CPUs
+    TensorFlow's graph kernels round float16 differently from its eager
+    ones). A variable the loss does not reach has None."""
 
     @tf.function
     def compute(x, y):
         with tf.GradientTape() as tape:
-            value = loss_fn(y, model(x, training=training))
+            value = tf.cast(loss_fn(y, model(x, training=training)), tf.float32)
             if optimizer is not None:
                 scaled = optimizer.scale_loss(value)
             else:
                 scaled = value * scale
         grads = tape.gradient(scaled, variables)
-        return [None if g is None else tf.convert_to_tensor(g) for g in grads]
+        return [None if g is None else tf.convert_to_tensor(g) for g in grads], value
 
-    return [
-        None if g is None else np.asarray(g, np.float64) / scale
-        for g in compute(x, y)
-    ]
+    grads, value = compute(x, y)
+    grads = [None if g is None else np.asarray(g, np.float64) / scale for g in grads]
+    return grads, float(value)
 
 
 def _finite(grads):
     return all(g is None or np.all(np.isfinite(g)) for g in grads)
 
 
-def _until_finite(compute, scale, pair=False):
-    """Halves the scale until the gradients are finite, as dynamic loss
-    scaling would over the next steps."""
-    result = compute(scale)
-    for _ in range(MAX_HALVINGS):
-        grads = result[0] if pair else result
-        if _finite(grads):
-            return result, scale
-        scale /= 2.0
+def _until_finite(compute):
+    """(result, scale): halves the scale from 2**15 until the gradients are
+    finite, as dynamic loss scaling would over the next steps; the scale is
+    None when none of `MAX_HALVINGS` halvings gave finite gradients."""
+    scale = START_SCALE
+    for _ in range(MAX_HALVINGS + 1):
         result = compute(scale)
-    return result, scale
+        if _finite(result[0]):
+            return result, scale
+        if isinstance(result[1], float) and not np.isfinite(result[1]):
+            break  # The loss itself: no scale helps.
+        scale /= 2.0
+    return result, None
 
 
 def _flushed(gradient, reference):
@@ -290,17 +313,20 @@ def _relative_error(gradient, reference):
     return float(np.linalg.norm(gradient - reference) / norm) if norm else 0.0
 
 
-def _rows(instrumented, mixed, expected, keras_grads, als_grads):
+def _rows(instrumented, present, expected, keras_grads, als_grads):
     """A row per scaling point with weight gradients of its own: every
-    weighted layer, inside opened composites too."""
-    index = {id(v): i for i, v in enumerate(mixed.trainable_variables)}
+    weighted layer, inside opened composites too. Variables without a
+    gradient are left out (`Diagnosis.no_gradient` lists them)."""
+    index = {id(v): i for i, v in enumerate(instrumented.model.trainable_variables)}
     rows = []
     for point, layer in zip(instrumented.scaling_points, instrumented.point_layers):
         positions = [
-            index[id(v)] for v in composite.point_weights(layer) if id(v) in index
+            index[id(v)]
+            for v in composite.point_weights(layer)
+            if id(v) in index and present[index[id(v)]]
         ]
         if not positions:
-            continue  # Frozen, or an opened layer without weights of its own.
+            continue  # Frozen, unreached, or opened without weights of its own.
 
         def pick(grads):
             return [np.ravel(grads[i]) for i in positions]
@@ -321,13 +347,58 @@ def _rows(instrumented, mixed, expected, keras_grads, als_grads):
     return rows
 
 
-def _locate_non_finite(probe, mixed, grads):
+def _forward_message(model, x, training):
+    """What to say when the float16 loss is not finite but the float32 one
+    is: the first layer whose float16 output is not finite."""
+    culprit = first_non_finite_output(model, x, training)
+    if culprit is None:
+        return (
+            "The loss is not finite in float16 (it is in float32), though "
+            "every layer output is: the loss itself overflows float16; "
+            "compute it in float32 (a float32 last layer, as Keras's mixed "
+            "precision guide recommends)."
+        )
+    return (
+        f"The float16 forward pass is not finite (float32 is): layer "
+        f"{culprit!r} is the first whose output is not finite while its "
+        "inputs are. Give that layer dtype='float32' (its computation then "
+        "runs in float32, its weights are float32 already), or check its "
+        "weights and inputs for very large values."
+    )
+
+
+def first_non_finite_output(model, x, training=True) -> Optional[str]:
+    """Runs `model` on `x` eagerly and returns the path of the first layer,
+    innermost first, whose float output is not finite while its float
+    inputs are; None when every layer output is finite."""
+    found = []
+
+    def check(layer, inputs, outputs):
+        if found:
+            return
+        if _all_finite(inputs) and not _all_finite(outputs):
+            found.append(layer.path if hasattr(layer, "path") else layer.name)
+
+    with _keras.layer_calls(check):
+        model(x, training=training)
+    return found[0] if found else None
+
+
+def _all_finite(structure):
+    for value in keras.tree.flatten(structure):
+        if tf.is_tensor(value) and value.dtype.is_floating:
+            if not bool(tf.reduce_all(tf.math.is_finite(value))):
+                return False
+    return True
+
+
+def _locate_non_finite(probe, grads):
     """Walks the scaling points from the loss towards the inputs and names
     the first whose incoming gradient is finite but whose own backward pass
     produced non-finite values (in its weight gradients, or in the gradient
     it passes on to the scaling points that feed it)."""
     plan = probe.plan
-    index = {id(v): i for i, v in enumerate(mixed.trainable_variables)}
+    index = {id(v): i for i, v in enumerate(probe.model.trainable_variables)}
     incoming = {
         call_index: np.isfinite(point.read()["amax"])
         for point, call_index in zip(probe.scaling_points, plan.point_calls)
@@ -347,16 +418,17 @@ def _locate_non_finite(probe, mixed, grads):
         if not weights_finite or passes_non_finite:
             what = "weight gradients" if not weights_finite else "input gradient"
             return (
-                f"layer {layer.name!r} (scaling point {names[call_index]!r}): "
-                f"the gradient reaching it is finite, its {what} is not. "
-                "Check that layer's weights and inputs for very large values; "
-                "dynamic loss scaling lowers the global scale until it fits."
+                f"Gradients turn non-finite in layer {layer.name!r} (scaling "
+                f"point {names[call_index]!r}): the gradient reaching it is finite, "
+                f"its {what} is not. Check that layer's weights and inputs "
+                "for very large values; dynamic loss scaling lowers the "
+                "global scale until it fits."
             )
     if incoming:
         last = names[plan.point_calls[-1]]
         return (
-            f"before the first scaling point: the gradient reaching {last!r} "
-            "(closest to the loss) is already non-finite. Check the loss, "
-            "the labels and the model outputs for NaN or inf."
+            f"Gradients are non-finite before the first scaling point: the "
+            f"gradient reaching {last!r} (closest to the loss) already is. "
+            "Check the loss, the labels and the model outputs for NaN or inf."
         )
     return None

@@ -9,9 +9,12 @@ recorded at the first skip of the streak into an error that names the layer
 and says what to try, and holds the callback that raises it in `fit`.
 """
 
+from typing import Optional
+
 import keras
 
 from tf_als import graph
+from tf_als import link
 
 
 class NonFiniteStormError(FloatingPointError):
@@ -21,19 +24,36 @@ class NonFiniteStormError(FloatingPointError):
     the loss) at the first skipped step, and what to try."""
 
 
-def describe(optimizer, skips: int) -> str:
-    """The error message for `optimizer` after `skips` consecutive skips."""
+def describe(optimizer, skips: int, attempted: Optional[int] = None) -> str:
+    """The error message for `optimizer` after `skips` consecutive skips,
+    `attempted` batches into training (None: not known)."""
     variables = list(getattr(optimizer, "_trainable_variables", None) or [])
-    index, bad = (int(v) for v in keras.ops.convert_to_numpy(optimizer.first_non_finite))
+    index, bad, loss_finite = (
+        int(v) for v in keras.ops.convert_to_numpy(optimizer.first_non_finite)
+    )
     scale = float(keras.ops.convert_to_numpy(optimizer.dynamic_scale))
-    step = int(keras.ops.convert_to_numpy(optimizer.iterations))
+    applied = int(keras.ops.convert_to_numpy(optimizer.iterations))
+    if attempted is None:
+        where = f"after {applied} applied steps"
+    else:
+        where = f"at batch {attempted} ({applied} steps applied)"
     lines = [
         f"{skips} consecutive training steps were skipped because their "
         f"gradients were not finite (AdaptiveLossScaleOptimizer "
         f"max_consecutive_skips={optimizer.max_consecutive_skips}); the global "
         f"loss scale, halved at each, is down to {scale:g}, and training "
-        f"stopped at step {step} instead of skipping forever."
+        f"stopped {where} instead of skipping forever."
     ]
+    if loss_finite == 0:
+        lines.append(
+            "At the first skipped step the loss itself was not finite, so "
+            "no loss scale can help: the forward pass overflowed float16, or "
+            "the data holds NaN or inf. Run tf_als.diagnose(model, x, y) on "
+            "a failing batch: it names the first layer whose float16 output "
+            "is not finite (give that layer dtype='float32') or says that "
+            "float32 fails too (check the data)."
+        )
+        return " ".join(lines)
     if not 0 <= index < len(variables):
         lines.append(
             "Which layer's gradient was first non-finite was not recorded. "
@@ -79,8 +99,7 @@ def _locate(optimizer, variable):
     when the linked model is instrumented."""
     from tf_als.instrument import InstrumentedModel
 
-    model = getattr(optimizer, "_tf_als_model", None)
-    model = model() if model is not None else None
+    model = link.model_of(optimizer)
     plan = model.plan if isinstance(model, InstrumentedModel) else None
     owners = [] if plan is None else [
         index
@@ -135,7 +154,11 @@ class NonFiniteGuard(keras.callbacks.Callback):
     ```
     """
 
+    def on_train_begin(self, logs=None):
+        self._batches = 0
+
     def on_train_batch_end(self, batch, logs=None):
+        self._batches = getattr(self, "_batches", 0) + 1
         check = getattr(self.model.optimizer, "check_skips", None)
         if check is not None:
-            check()
+            check(attempted=self._batches)
