@@ -102,8 +102,14 @@ def test_epoch_logs_reach_history_and_csv_logger(mixed, tmp_path):
         assert len(fit.history[key]) == 2, key
     assert fit.history["loss_scale"] == [2.0**15, 2.0**15]
     assert fit.history["skipped_steps"] == [0, 0]
-    zeros = [p.read()["zero_fraction"] for p in model.scaling_points]
-    assert fit.history["worst_zero_fraction"][-1] == max(zeros)
+    # The worst share of incoming-gradient elements still subnormal after
+    # each point's scale, recomputed here from each point's own histogram.
+    shares = []
+    for point in model.scaling_points:
+        histogram, scale = point.read_histogram(), point.read()["scale"]
+        exponents = np.asarray(tf_als.policy.HISTOGRAM_EXPONENTS) + np.log2(scale)
+        shares.append(float(np.sum(histogram[exponents < -14])))
+    assert fit.history["worst_subnormal_fraction"][-1] == pytest.approx(max(shares), rel=1e-6)
     with open(path) as handle:
         rows = list(csv.DictReader(handle))
     assert [float(r["loss_scale"]) for r in rows] == [2.0**15, 2.0**15]
@@ -179,6 +185,21 @@ def test_tensorboard_tags_and_values(mixed, tmp_path):
         callbacks.scalar_tags(names)
         | callbacks.histogram_tags(names)
         | callbacks.text_tags()
+        | callbacks.image_tags()
+    )
+    # The overview: as many cards for 2 points as for 200.
+    overview_tags = {t for t in tags if t.startswith("overview/")}
+    assert len(overview_tags) == 4, overview_tags
+    steps = history.history["step"]
+    image = run.Tensors(callbacks.OVERVIEW_IMAGE_TAG)[-1]
+    width, height = (int(v) for v in tf.make_ndarray(image.tensor_proto)[:2])
+    assert (height, width) == (4 * len(names), 4 * len(steps))
+    worst = tf.make_ndarray(run.Tensors(callbacks.OVERVIEW_TEXT_TAG)[-1].tensor_proto)
+    assert worst.item().decode().startswith("**underflow** (subnormal after scale):")
+    pressure = run.Tensors("overview/worst_near_max_fraction")
+    assert [e.step for e in pressure] == steps
+    assert float(tf.make_ndarray(pressure[-1].tensor_proto)) == pytest.approx(
+        max(v["near_max_fraction"][-1] for v in history.history["points"].values())
     )
     record = history.history
     for name in names:
@@ -259,6 +280,8 @@ def test_real_tensorboard_server_serves_the_scales(mixed, tmp_path):
         series = _get_json(f"{base}/data/plugin/scalars/scalars?{query}")
         assert [row[1] for row in series] == history.history["step"]
         assert [row[2] for row in series] == history.history["points"][name]["scale"]
+        images = _get_json(f"{base}/data/plugin/images/tags")
+        assert set(images["tf_als"]) == callbacks.image_tags()
     finally:
         server.terminate()
         server.wait(timeout=30)

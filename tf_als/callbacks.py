@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from tf_als.instrument import InstrumentedModel
 from tf_als.optimizer import AdaptiveLossScaleOptimizer
+from tf_als import overview
 from tf_als import policy
 from tf_als import state
 from tf_als import storm
@@ -30,8 +31,24 @@ GLOBAL_QUANTITIES = ("loss_scale", "skipped_steps")
 """Per update: the global loss scale S and the number of skipped
 (non-finite) steps so far."""
 
-EPOCH_LOG_KEYS = ("loss_scale", "skipped_steps", "worst_zero_fraction")
+EPOCH_LOG_KEYS = ("loss_scale", "skipped_steps", "worst_subnormal_fraction")
 """What `ScaleHistory` adds to Keras's epoch logs."""
+
+OVERVIEW_SCALARS = ("worst_subnormal_fraction", "worst_near_max_fraction")
+"""Per update, over all points: the largest fraction of incoming gradient
+elements still float16-subnormal after the point's scale
+(`tf_als.overview.subnormal_after_scale`: precision lost, the step before
+underflow), and the largest `near_max_fraction` (overflow pressure)."""
+
+OVERVIEW_IMAGE_TAG = "overview/log2_scale"
+"""An image, rewritten at each update: the layers-by-updates heat map of
+log2 per-layer scale (the last `OVERVIEW_UPDATES` updates)."""
+
+OVERVIEW_TEXT_TAG = "overview/worst_layers"
+"""A text at each update naming the few worst layers by underflow and by
+overflow pressure, with their values."""
+
+OVERVIEW_UPDATES = 200
 
 RUN_NAME = "tf_als"
 """The subdirectory of `log_dir` the summaries go to (a TensorBoard run)."""
@@ -53,14 +70,20 @@ def scalar_tags(point_names) -> set:
     `<group>/<quantity>` for every point and `POINT_QUANTITIES` entry, and
     `global/<quantity>` for every `GLOBAL_QUANTITIES` entry."""
     tags = {f"global/{q}" for q in GLOBAL_QUANTITIES}
+    tags.update(f"overview/{q}" for q in OVERVIEW_SCALARS)
     for name in point_names:
         tags.update(f"{tag_group(name)}/{q}" for q in POINT_QUANTITIES)
     return tags
 
 
 def text_tags() -> set:
-    """The text tags: the point-name list."""
-    return {POINT_NAMES_TAG}
+    """The text tags: the point-name list and the worst layers."""
+    return {POINT_NAMES_TAG, OVERVIEW_TEXT_TAG}
+
+
+def image_tags() -> set:
+    """The image tags: the heat map of log2 scales."""
+    return {OVERVIEW_IMAGE_TAG}
 
 
 def histogram_tags(point_names) -> set:
@@ -86,12 +109,19 @@ class ScaleHistory(keras.callbacks.Callback):
          "loss_scale": [...], "skipped_steps": [...],
          "points": {point name: {quantity: [...], "histogram": [[...]]}}}
 
-    At the end of each epoch it adds `EPOCH_LOG_KEYS` to Keras's logs
-    (global loss scale, skipped steps so far, and the worst point's zero
-    fraction at the last update), so `History`, `CSVLogger` (listed after
-    this callback) and the progress bar show them.
+    At the end of each epoch it adds `EPOCH_LOG_KEYS` to Keras's logs, so
+    `History`, `CSVLogger` (listed after this callback) and the progress
+    bar show them: the global loss scale, skipped steps so far, and
+    `worst_subnormal_fraction`, the largest share, over the points at the
+    last update, of incoming gradient elements still float16-subnormal
+    after the point's scale (exact zeros from ReLU, padding or pooling are
+    not counted; a few percent is noise, a share that grows across epochs
+    is underflow coming).
 
-    With `log_dir`, the same records are written as TensorBoard scalars in
+    With `log_dir`, an overview whose size does not depend on the model
+    (`overview/...`: the two `OVERVIEW_SCALARS`, a heat-map image of log2
+    scales, layers by updates, and a text naming the worst layers), and
+    per layer the same records as TensorBoard scalars in
     the run `<log_dir>/tf_als`, with tags `<layer>/<quantity>` (one fold per
     layer; `/` in point names becomes `.`) and `global/loss_scale`,
     `global/skipped_steps`, a text `global/point_names` listing the points'
@@ -198,12 +228,18 @@ class ScaleHistory(keras.callbacks.Callback):
         optimizer = self._optimizer
         logs["loss_scale"] = float(_read_float(optimizer.dynamic_scale))
         logs["skipped_steps"] = self.skipped_steps
-        zero = [
-            values["zero_fraction"][-1]
-            for values in self.history["points"].values()
-            if values["zero_fraction"]
-        ]
-        logs["worst_zero_fraction"] = max(zero) if zero else 0.0
+        worst = overview.worst(self._subnormal_after_scale(), count=1)
+        logs["worst_subnormal_fraction"] = worst[0][1] if worst else 0.0
+
+    def _subnormal_after_scale(self) -> dict:
+        """{point name: `overview.subnormal_after_scale`} at the last update."""
+        return {
+            name: overview.subnormal_after_scale(
+                values["histogram"][-1], values["scale"][-1]
+            )
+            for name, values in self.history["points"].items()
+            if values["histogram"]
+        }
 
     def on_train_end(self, logs=None):
         if self._writer is not None:
@@ -261,6 +297,25 @@ class ScaleHistory(keras.callbacks.Callback):
         if self.log_dir is not None:
             self._write(step, loss_scale, rows)
 
+    def _write_overview(self):
+        """The overview cards (inside the writer's default step)."""
+        points = self.history["points"]
+        underflow = self._subnormal_after_scale()
+        overflow = {n: v["near_max_fraction"][-1] for n, v in points.items()}
+        tf.summary.scalar(
+            "overview/worst_subnormal_fraction", max(underflow.values(), default=0.0)
+        )
+        tf.summary.scalar(
+            "overview/worst_near_max_fraction", max(overflow.values(), default=0.0)
+        )
+        tf.summary.text(
+            OVERVIEW_TEXT_TAG,
+            _overview_text(overview.worst(underflow), overview.worst(overflow)),
+        )
+        scales = np.array([v["scale"][-OVERVIEW_UPDATES:] for v in points.values()])
+        image = overview.heat_map(np.log2(scales))
+        tf.summary.image(OVERVIEW_IMAGE_TAG, image[np.newaxis], max_outputs=1)
+
     def _write(self, step, loss_scale, rows):
         first = self._writer is None
         if first:
@@ -274,12 +329,25 @@ class ScaleHistory(keras.callbacks.Callback):
                 )
             tf.summary.scalar("global/loss_scale", loss_scale)
             tf.summary.scalar("global/skipped_steps", self.skipped_steps)
+            self._write_overview()
             for name, values, histogram in rows:
                 group = tag_group(name)
                 for quantity in POINT_QUANTITIES:
                     tf.summary.scalar(f"{group}/{quantity}", values[quantity])
                 if self.histograms:
                     _write_histogram(f"{group}/log2_magnitude", histogram, step)
+
+
+def _overview_text(underflow, overflow):
+    """Markdown naming the worst layers by underflow and by overflow."""
+
+    def listing(pairs):
+        return ", ".join(f"`{name}` {value:.2%}" for name, value in pairs) or "none"
+
+    return (
+        f"**underflow** (subnormal after scale): {listing(underflow)}  \n"
+        f"**overflow pressure** (near float16 max): {listing(overflow)}"
+    )
 
 
 def _write_histogram(tag, fractions, step):
