@@ -355,7 +355,7 @@ def test_names_the_layer_whose_float16_output_overflows(mixed):
     ), report.non_finite
     assert "dtype='float32'" in report.non_finite
     assert report.keras_loss_scale is None
-    assert tf_als.report.first_non_finite_output(model, x) == "big"
+    assert tf_als.forward.first_non_finite_output(model, x) == "big"
     # Every output finite: nothing to name.
     model.get_layer("big").dtype_policy = "float32"
-    assert tf_als.report.first_non_finite_output(model, x) is None
+    assert tf_als.forward.first_non_finite_output(model, x) is None

@@ -352,3 +352,18 @@ def test_a_float16_forward_overflow_is_reported_as_such(mixed):
     message = str(caught.value)
     assert "the loss itself was not finite, so no loss scale can help" in message
     assert "stopped at batch 2 (0 steps applied)" in message
+    # fit handed its inputs to the guard, which re-ran them eagerly.
+    assert message.endswith(
+        "An eager re-run on the training data found the first layer whose "
+        "float16 output is not finite: 'big'. Give it dtype='float32' (it "
+        "then computes in float32; its weights are float32 already)."
+    ), message
+    # The same from a tf.data pipeline.
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    with pytest.raises(tf_als.NonFiniteStormError, match="not finite: 'big'"):
+        model.fit(data, epochs=2, verbose=0)
+
+
+def test_guard_checks_its_argument():
+    with pytest.raises(TypeError, match="`inputs` must be a callable"):
+        tf_als.callbacks.NonFiniteGuard(inputs=[1, 2])

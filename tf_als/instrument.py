@@ -282,11 +282,14 @@ class InstrumentedModel(keras.Model):
         one is given) so that a run whose steps are all skipped stops with a
         `NonFiniteStormError` (see `max_consecutive_skips`)."""
         position = 5  # fit(x, y, batch_size, epochs, verbose, callbacks, ...)
+        x = args[0] if args else kwargs.get("x")
+        batch_size = args[2] if len(args) > 2 else kwargs.get("batch_size")
+        inputs = _input_batches(x, batch_size)
         if len(args) > position:
             args = list(args)
-            args[position] = _with_guard(args[position])
+            args[position] = _with_guard(args[position], inputs)
         else:
-            kwargs["callbacks"] = _with_guard(kwargs.get("callbacks"))
+            kwargs["callbacks"] = _with_guard(kwargs.get("callbacks"), inputs)
         return super().fit(*args, **kwargs)
 
     def export(
@@ -355,13 +358,31 @@ class InstrumentedModel(keras.Model):
         return cls(model, **config)
 
 
-def _with_guard(callbacks):
+def _with_guard(callbacks, inputs=None):
     if isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = callbacks.callbacks
     callbacks = list(callbacks or [])
     if not any(isinstance(c, storm.NonFiniteGuard) for c in callbacks):
-        callbacks.append(storm.NonFiniteGuard())
+        callbacks.append(storm.NonFiniteGuard(inputs))
     return callbacks
+
+
+def _input_batches(x, batch_size):
+    """A callable giving batches of the training inputs `x` (arrays,
+    tensors or structures of them, or a `tf.data.Dataset` of `(x, ...)`)
+    for the guard's eager re-run; None for other inputs (generators, Keras
+    `PyDataset`s), which cannot be read twice."""
+    if isinstance(x, tf.data.Dataset):
+        return lambda: (e[0] if isinstance(e, tuple) else e for e in x)
+    leaves = tree.flatten(x) if x is not None else []
+    if not leaves or not all(hasattr(a, "shape") and len(a.shape) for a in leaves):
+        return None
+    size = int(leaves[0].shape[0])
+    step = int(batch_size or 32)
+    return lambda: (
+        tree.map_structure(lambda a, i=i: a[i : i + step], x)
+        for i in range(0, size, step)
+    )
 
 
 def _run(plan, back, inputs, training, mask):

@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from tf_als import _keras
 from tf_als import composite
+from tf_als import forward
 from tf_als import graph
 from tf_als.instrument import InstrumentedModel
 from tf_als.optimizer import AdaptiveLossScaleOptimizer
@@ -350,7 +351,7 @@ def _rows(instrumented, present, expected, keras_grads, als_grads):
 def _forward_message(model, x, training):
     """What to say when the float16 loss is not finite but the float32 one
     is: the first layer whose float16 output is not finite."""
-    culprit = first_non_finite_output(model, x, training)
+    culprit = forward.first_non_finite_output(model, x, training)
     if culprit is None:
         return (
             "The loss is not finite in float16 (it is in float32), though "
@@ -365,31 +366,6 @@ def _forward_message(model, x, training):
         "runs in float32, its weights are float32 already), or check its "
         "weights and inputs for very large values."
     )
-
-
-def first_non_finite_output(model, x, training=True) -> Optional[str]:
-    """Runs `model` on `x` eagerly and returns the path of the first layer,
-    innermost first, whose float output is not finite while its float
-    inputs are; None when every layer output is finite."""
-    found = []
-
-    def check(layer, inputs, outputs):
-        if found:
-            return
-        if _all_finite(inputs) and not _all_finite(outputs):
-            found.append(layer.path if hasattr(layer, "path") else layer.name)
-
-    with _keras.layer_calls(check):
-        model(x, training=training)
-    return found[0] if found else None
-
-
-def _all_finite(structure):
-    for value in keras.tree.flatten(structure):
-        if tf.is_tensor(value) and value.dtype.is_floating:
-            if not bool(tf.reduce_all(tf.math.is_finite(value))):
-                return False
-    return True
 
 
 def _locate_non_finite(probe, grads):

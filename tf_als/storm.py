@@ -13,6 +13,7 @@ from typing import Optional
 
 import keras
 
+from tf_als import forward
 from tf_als import graph
 from tf_als import link
 
@@ -147,6 +148,15 @@ class NonFiniteGuard(keras.callbacks.Callback):
     `optimizer.check_skips()` after each step instead (an eager loop checks
     on its own).
 
+    When the loss itself was not finite at the first skipped step, the
+    guard re-runs the model eagerly on up to 8 batches of `inputs` (the
+    training inputs; `fit` on an instrumented model passes them) and adds
+    to the error the first layer whose float16 output is not finite.
+
+    Args:
+        inputs: optional; a callable returning an iterable of input
+            batches (without targets) to re-run.
+
     Example:
 
     ```python
@@ -154,11 +164,47 @@ class NonFiniteGuard(keras.callbacks.Callback):
     ```
     """
 
+    def __init__(self, inputs=None):
+        super().__init__()
+        if inputs is not None and not callable(inputs):
+            raise TypeError(
+                "`inputs` must be a callable returning input batches, or "
+                f"None; received {type(inputs).__name__}."
+            )
+        self._inputs = inputs
+        self._batches = 0
+
     def on_train_begin(self, logs=None):
         self._batches = 0
 
     def on_train_batch_end(self, batch, logs=None):
-        self._batches = getattr(self, "_batches", 0) + 1
-        check = getattr(self.model.optimizer, "check_skips", None)
-        if check is not None:
+        self._batches += 1
+        optimizer = self.model.optimizer
+        check = getattr(optimizer, "check_skips", None)
+        if check is None:
+            return
+        try:
             check(attempted=self._batches)
+        except NonFiniteStormError as error:
+            hint = self._forward_hint(optimizer)
+            if hint is None:
+                raise
+            raise NonFiniteStormError(f"{error} {hint}") from None
+
+    def _forward_hint(self, optimizer):
+        loss_finite = int(keras.ops.convert_to_numpy(optimizer.first_non_finite)[2])
+        if self._inputs is None or loss_finite != 0:
+            return None
+        model = getattr(self.model, "model", self.model)  # the plain layers
+        culprit = forward.search(model, self._inputs())
+        if culprit is None:
+            return (
+                "An eager re-run on training batches found every layer output "
+                "finite (the failing batches, or dropout draws, differ)."
+            )
+        return (
+            "An eager re-run on the training data found the first layer "
+            f"whose float16 output is not finite: {culprit!r}. Give it "
+            "dtype='float32' (it then computes in float32; its weights are "
+            "float32 already)."
+        )
