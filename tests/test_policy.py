@@ -13,6 +13,8 @@ power-of-two denominator (tensor sizes 1, 4, 8, 128), so float32 holds the
 expected values exactly whatever order a backend divides or folds in.
 """
 
+import math
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -57,10 +59,21 @@ def assert_exact(actual, expected, dtype=np.float32, what=""):
     np.testing.assert_array_equal(actual, expected, err_msg=str(what))
 
 
+def power_of_two_below(value):
+    """The percentile's contract: the exact quantile `value` (worked out by
+    hand in each test) rounded down to a power of two; 0 and inf stay."""
+    value = float(value)
+    if value <= 0.0 or not math.isfinite(value):
+        return value
+    return 2.0 ** math.floor(math.log2(value))
+
+
 def assert_statistics(stats, percentile, amax, zero, subnormal, near_max, what=""):
+    """`percentile` is the exact quantile; the statistic must equal it
+    rounded down to a power of two."""
     assert isinstance(stats, policy.GradientStatistics)
     expected = dict(
-        percentile=percentile,
+        percentile=power_of_two_below(percentile),
         amax=amax,
         zero_fraction=zero,
         subnormal_fraction=subnormal,
@@ -314,7 +327,7 @@ def test_statistics_percentile_index_just_below_an_integer(run):
     # Nonzero sorted [1, 2, 3, 4]; floor(0.9999999 * 3) = floor(2.9999997)
     # = 2 -> 3.
     [stats] = _statistics_at_rates(run, f32([4.0, 1.0, 3.0, 2.0]), [0.9999999])
-    assert_exact(stats.percentile, 3.0)
+    assert_exact(stats.percentile, power_of_two_below(3.0))
 
 
 def test_statistics_underflow_rate_as_a_tensor(run):
@@ -324,7 +337,7 @@ def test_statistics_underflow_rate_as_a_tensor(run):
         f32(MIXED),
         tf.constant(0.5, tf.float32),
     )
-    assert_exact(stats.percentile, 3.0)
+    assert_exact(stats.percentile, power_of_two_below(3.0))
 
 
 def _amax_of_each(run, rows):
@@ -765,3 +778,54 @@ def test_log2_histogram_of_float16_subnormals(run):
     for exponent in (-24, -23, -15):
         expected[policy.HISTOGRAM_EXPONENTS.index(exponent)] = 0.25
     assert_exact(run(policy.log2_histogram, g), expected)
+
+
+# --------------------------------------------------------------------------
+# the percentile without a sort, against the exact one
+# --------------------------------------------------------------------------
+
+
+def _exact_quantile(values, rate):
+    """The rate-quantile (lower interpolation) of the nonzero magnitudes,
+    from a full sort in float64: the element of rank floor(rate * (n-1))."""
+    magnitudes = np.sort(np.abs(np.asarray(values, np.float64)).ravel())
+    magnitudes = magnitudes[magnitudes > 0]
+    return magnitudes[int(math.floor(rate * (len(magnitudes) - 1) * (1 + 2.0**-40)))]
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.01, 0.29, 0.5, 0.99])
+def test_percentile_is_the_exact_quantile_rounded_down(run, rate):
+    """Magnitudes spread over 2**-24 .. 2**15 (log-normal, a third zeros,
+    float16): the statistic is the sorted quantile rounded down to a power
+    of two, so within one binary exponent of it, and exactly equal in every
+    comparison with a power of two."""
+    rng = np.random.default_rng(1)
+    values = np.exp2(rng.normal(-6.0, 6.0, size=(300, 257))).astype(np.float16)
+    values[rng.random(values.shape) < 0.33] = 0.0
+    values *= rng.choice([-1.0, 1.0], size=values.shape).astype(np.float16)
+    stats = run(lambda g: policy.gradient_statistics(g, rate), tf.constant(values))
+    assert_exact(stats.percentile, power_of_two_below(_exact_quantile(values, rate)))
+
+
+def test_percentile_on_real_gradients(mixed):
+    """The gradients a float16 Transformer's layers receive (loss x 2**-8,
+    so that some of them are tiny): the same contract, for every variable's
+    gradient and the default rate."""
+    from tests import architectures
+
+    case = next(c for c in architectures.CASES if c.name == "transformer")
+    _, model = case.build_pair()
+    x, y = case.data()
+    with tf.GradientTape() as tape:
+        loss = case.loss(y, model(x, training=True)) * 2.0**-8 * 2.0**15
+    grads = tape.gradient(loss, model.trainable_variables)
+    checked = 0
+    for variable, g in zip(model.trainable_variables, grads):
+        g = tf.convert_to_tensor(g)
+        if not np.any(np.asarray(g)):
+            continue
+        stats = policy.gradient_statistics(g, 0.01)
+        expected = power_of_two_below(_exact_quantile(np.asarray(g), 0.01))
+        assert float(stats.percentile) == expected, variable.path
+        checked += 1
+    assert checked >= 10

@@ -41,7 +41,8 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     that lift back, down to Keras's global scale alone, and no further.
 
     (kept when g is all zero or not finite), and records the
-    `underflow_rate` percentile q of the nonzero |g| (tfp.stats.percentile)
+    `underflow_rate` percentile q of the nonzero |g| (rounded down to a
+    power of two, from counts per binary exponent: no sort)
     so callbacks can report layers whose q the scale could not lift. Weight
     gradients are unscaled per call, in float32, so the inner optimizer only
     ever receives true float32 gradients.

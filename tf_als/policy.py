@@ -7,7 +7,8 @@ is tested on crafted tensors without `fit()`.
 The rule, for the gradient `g` that arrives at a scaling point (already
 carrying the global scale S and the downstream per-layer scales):
 
-    q     = underflow_rate-quantile of the nonzero |g|    (tfp.stats.percentile)
+    q     = underflow_rate-quantile of the nonzero |g|, rounded down to a
+            power of two (exact for the test below; from exponent counts)
     amax  = max |g| * max(1, S_initial / S)
     k_cap = largest k with  amax * 2**k * overflow_margin <= FLOAT16_MAX
     s     = 2 ** clip(k_cap, -log2(T_out), log2(max_layer_scale))
@@ -36,12 +37,16 @@ global scale, where Keras's single scale would not have skipped. Such a
 point takes s < 1, as far as T_in = s * T_out = 1 and no further: the
 gradient is then scaled exactly as Keras's global scale alone would scale
 it, never less.
+
+Every statistic is a linear pass over the gradient (reductions and one
+count per binary exponent); nothing is sorted, so an update step's cost
+grows with the gradient's size, not with size * log(size). The exponent
+counts give both the percentile and the log2 histogram.
 """
 
 from typing import NamedTuple
 
 import tensorflow as tf
-import tensorflow_probability as tfp
 
 from tf_als import _pow2
 
@@ -65,7 +70,8 @@ class GradientStatistics(NamedTuple):
 
     Attributes:
         percentile: the `underflow_rate` quantile of the nonzero magnitudes
-            (lower interpolation), or 0 when every element is zero.
+            (lower interpolation) rounded down to a power of two, or 0 when
+            every element is zero.
         amax: the largest magnitude (inf if any element is inf, NaN if any
             is NaN). Float32 subnormals (below 2**-126) read as zero on
             TensorFlow's CPU kernels, so such a gradient counts as all zero.
@@ -106,12 +112,13 @@ def gradient_statistics(gradients, underflow_rate) -> GradientStatistics:
         gradients = [gradients]
     magnitudes = [tf.reshape(tf.abs(tf.cast(g, tf.float32)), [-1]) for g in gradients]
     magnitudes = magnitudes[0] if len(magnitudes) == 1 else tf.concat(magnitudes, 0)
-    return GradientStatistics(
-        *_statistics_of_magnitudes(magnitudes, _as_float64(underflow_rate))
-    )
+    statistics, _ = _statistics_of_magnitudes(magnitudes, _as_float64(underflow_rate))
+    return GradientStatistics(*statistics)
 
 
 def _statistics_of_magnitudes(magnitudes, underflow_rate):
+    """The `GradientStatistics` fields and the `log2_histogram` of a flat
+    float32 tensor of magnitudes, in linear passes: no sort."""
     size = tf.cast(tf.size(magnitudes), tf.float32)
     is_zero = tf.equal(magnitudes, 0.0)
     zeros = tf.reduce_sum(tf.cast(is_zero, tf.float32))
@@ -140,27 +147,70 @@ def _statistics_of_magnitudes(magnitudes, underflow_rate):
         tf.constant(float("nan")),
         tf.reduce_max(magnitudes),
     )
-
-    # Percentile of the nonzero magnitudes without a dynamically sized
-    # boolean mask (which XLA cannot compile): zeros become +inf and sort
-    # last. The wanted index among the nonzero values, floor(rate *
-    # (nonzero-1)), is computed first (the relative 2**-40 absorbs float64's
-    # rounding of a decimal rate, 0.29 * 100 = 28.999999999999996, and moves
-    # no index that is genuinely below an integer by more than that); the
-    # percentile handed to tfp.stats.percentile points half an element past
-    # it, so the index tfp computes, floor(q/100 * (size-1)), is that one.
-    masked = tf.where(is_zero, tf.constant(float("inf")), magnitudes)
-    size64 = tf.cast(size, tf.float64)
-    nonzero64 = tf.cast(nonzero, tf.float64)
-    index = tf.floor(
-        underflow_rate * tf.maximum(nonzero64 - 1.0, 0.0) * (1.0 + 2.0**-40)
-    )
-    q = tf.minimum(100.0 * (index + 0.5) / tf.maximum(size64 - 1.0, 1.0), 100.0)
-    percentile = tfp.stats.percentile(masked, q, interpolation="lower")
-    percentile = tf.where(nonzero > 0, percentile, 0.0)
-
+    counts = _exponent_counts(magnitudes, is_zero)
+    percentile = _percentile(counts, nonzero, underflow_rate)
     size = tf.maximum(size, 1.0)
-    return percentile, amax, zeros / size, subnormal / size, near_max / size
+    statistics = (percentile, amax, zeros / size, subnormal / size, near_max / size)
+    return statistics, _histogram(counts, size)
+
+
+# Exponent bins: one per float32 binary exponent, _LOWEST to _HIGHEST (TF's
+# CPU kernels flush float32 subnormals to zero), then one for non-finite
+# magnitudes, which rank above every finite one.
+_LOWEST, _HIGHEST = _pow2.MIN_EXPONENT, _pow2.MAX_EXPONENT
+_NON_FINITE_BIN = _HIGHEST - _LOWEST + 1
+
+
+def _exponent_counts(magnitudes, is_zero):
+    """int32 counts of the nonzero magnitudes per binary exponent bin."""
+    finite = tf.math.is_finite(magnitudes)
+    exponents = _pow2.floor_log2(
+        tf.maximum(tf.where(finite, magnitudes, 1.0), 2.0**_LOWEST)
+    )
+    bins = tf.where(finite, exponents - _LOWEST, _NON_FINITE_BIN)
+    return tf.math.unsorted_segment_sum(
+        tf.cast(tf.logical_not(is_zero), tf.int32), bins, _NON_FINITE_BIN + 1
+    )
+
+
+def _percentile(counts, nonzero, underflow_rate):
+    """The `underflow_rate` quantile of the nonzero magnitudes (lower
+    interpolation), rounded down to a power of two: the lower edge of the
+    exponent bin that holds the element of rank floor(rate * (nonzero-1))
+    (the relative 2**-40 absorbs float64's rounding of a decimal rate,
+    0.29 * 100 = 28.999999999999996, and moves no rank that is genuinely
+    below an integer by more than that). Rounding down keeps every
+    comparison with a power of two exact: q * s >= 2**-14 holds for the
+    rounded q exactly when it holds for q. inf when that element is not
+    finite; 0 when every element is zero."""
+    rank = tf.floor(
+        underflow_rate
+        * tf.maximum(tf.cast(nonzero, tf.float64) - 1.0, 0.0)
+        * (1.0 + 2.0**-40)
+    )
+    below = tf.cast(tf.math.cumsum(counts), tf.float64) <= rank
+    bin_ = tf.reduce_sum(tf.cast(below, tf.int32))
+    percentile = tf.where(
+        bin_ >= _NON_FINITE_BIN, tf.constant(float("inf")), _pow2.pow2(bin_ + _LOWEST)
+    )
+    return tf.where(nonzero > 0, percentile, 0.0)
+
+
+def _histogram(counts, size):
+    """`log2_histogram` from exponent counts: the fraction of all elements
+    per exponent in `HISTOGRAM_EXPONENTS`, the end bins taking the float32
+    exponents beyond them; zeros and non-finite elements in no bin."""
+    low = HISTOGRAM_EXPONENTS[0] - _LOWEST
+    high = HISTOGRAM_EXPONENTS[-1] - _LOWEST
+    bins = tf.concat(
+        [
+            tf.reduce_sum(counts[: low + 1])[tf.newaxis],
+            counts[low + 1 : high],
+            tf.reduce_sum(counts[high:_NON_FINITE_BIN])[tf.newaxis],
+        ],
+        0,
+    )
+    return tf.cast(bins, tf.float32) / size
 
 
 def choose_scale(
@@ -248,21 +298,8 @@ def log2_histogram(gradients) -> tf.Tensor:
         gradients = [gradients]
     magnitudes = [tf.reshape(tf.abs(tf.cast(g, tf.float32)), [-1]) for g in gradients]
     magnitudes = magnitudes[0] if len(magnitudes) == 1 else tf.concat(magnitudes, 0)
-    return _histogram_of_magnitudes(magnitudes)
-
-
-def _histogram_of_magnitudes(magnitudes):
-    low, high = HISTOGRAM_EXPONENTS[0], HISTOGRAM_EXPONENTS[-1]
-    counted = tf.logical_and(magnitudes > 0.0, tf.math.is_finite(magnitudes))
-    # Exact exponents of float32 normals; smaller values only reach the
-    # lowest bin, where they belong anyway.
-    exponents = _pow2.floor_log2(tf.maximum(magnitudes, 2.0**-126))
-    bins = tf.clip_by_value(exponents, low, high) - low
-    counts = tf.math.unsorted_segment_sum(
-        tf.cast(counted, tf.float32), bins, len(HISTOGRAM_EXPONENTS)
-    )
     size = tf.maximum(tf.cast(tf.size(magnitudes), tf.float32), 1.0)
-    return counts / size
+    return _histogram(_exponent_counts(magnitudes, tf.equal(magnitudes, 0.0)), size)
 
 
 # Layout of the vector `measure` returns: the `GradientStatistics` fields,
@@ -312,8 +349,8 @@ def _measure(gradients, underflow_rate):
     magnitudes = [tf.abs(tf.cast(g, tf.float32)) for g in gradients]
     if len(magnitudes) > 1:
         magnitudes = [tf.concat(magnitudes, 0)]
-    statistics = tf.stack(_statistics_of_magnitudes(magnitudes[0], underflow_rate))
-    return tf.concat([statistics, _histogram_of_magnitudes(magnitudes[0])], 0)
+    statistics, histogram = _statistics_of_magnitudes(magnitudes[0], underflow_rate)
+    return tf.concat([tf.stack(statistics), histogram], 0)
 
 
 def _as_float64(value):
