@@ -9,13 +9,13 @@ import subprocess
 import sys
 import textwrap
 
-import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tf_als
 from tests import architectures
+from tests import test_composite
 
 CASES = [
     c for c in architectures.CASES
@@ -71,15 +71,7 @@ def _serve(directories):
 
 
 def _trained(case):
-    _, model = case.build_pair()
-    x, y = case.data()
-    instrumented = tf_als.instrument(model)
-    instrumented.compile(
-        optimizer=tf_als.AdaptiveLossScaleOptimizer(
-            keras.optimizers.Adam(1e-3), update_interval=1
-        ),
-        loss=case.loss,
-    )
+    instrumented, x, y = test_composite._trainable(case)
     instrumented.fit(x, y, epochs=2, batch_size=len(y), verbose=0)
     return instrumented, x
 

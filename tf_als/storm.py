@@ -98,10 +98,10 @@ def _locate(optimizer, variable):
     """(the layer owning `variable`, the scaling points the gradient
     reaching it comes from, or None), named as `tf_als.scales` names points
     when the linked model is instrumented."""
-    from tf_als.instrument import InstrumentedModel
-
     model = link.model_of(optimizer)
-    plan = model.plan if isinstance(model, InstrumentedModel) else None
+    # Only an instrumented model is linked, and it has a plan (read by
+    # attribute: importing `tf_als.instrument` here would close a cycle).
+    plan = getattr(model, "plan", None)
     owners = [] if plan is None else [
         index
         for index in plan.point_calls
