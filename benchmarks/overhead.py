@@ -1,185 +1,199 @@
-"""Step time and peak memory of tf_als against Keras's LossScaleOptimizer.
+"""What tf_als costs next to Keras's LossScaleOptimizer, measured side by side.
 
-Trains the same residual CNN (synthetic 16x16 images, mixed_float16, SGD)
-with `keras.optimizers.LossScaleOptimizer` and with
-`tf_als.AdaptiveLossScaleOptimizer` at update_interval 1, 10 and 100, with
-XLA off and on, and prints each variant's mean step time and its ratio to
-Keras's in the same mode.
+For each model (a residual CNN, keras.applications ResNet50 at 32x32 and a
+KerasHub GPT-2 with a tiny config), with XLA off and on, one process
+(`--worker`) builds three variants from the same weights and trains them
+with `fit` on the same synthetic batches:
 
-Timing: all variants of one mode live in one process and train in
-alternating chunks of `--chunk` steps (a multiple of 100, so every chunk of
-every variant holds the same number of scale updates), after a warm-up
-that compiles them (and runs the first scale update). A chunk's time is
-the wall time from the end of its first batch to the end of its last (fit's
-set-up and tear-down, several seconds per call and the same for every
-variant, and a possible retrace in the first batch are left out); a
-variant's step time is the total over `--rounds` chunks divided by the
-steps timed (each chunk's update step is among them).
+- `keras`: `keras.optimizers.LossScaleOptimizer`;
+- `tf_als`: `tf_als.AdaptiveLossScaleOptimizer` with `update_interval` equal
+  to the chunk length, so every timed chunk holds exactly one update step;
+- `tf_als_1`: update_interval 1 (statistics and a scale choice every step).
 
-"update +ms" is how much longer a tf_als scale-update step takes on average
-than Keras's median step, and "from updates" the ratio that cost alone
-implies at the variant's interval, 1 + update_ms / (interval * keras_ms).
-Steps without an update cost the same with and without tf_als, so on a busy
-machine, where whole chunks drift by more than the overhead, that column
-is the steadier estimate.
+Set-up is the wall time of the first `fit` call of one step (trace,
+compile, run). The variants then train in alternating chunks of `--chunk`
+steps for `--rounds` rounds; a callback times every step. Reported, as
+ratios to Keras's median step:
 
-Memory: each variant trains in a fresh subprocess; a thread samples the
-process's resident set size every 2 ms during the timed steps (after
-compilation), and the peak is reported, with its ratio to Keras's. The
-TensorFlow runtime itself is most of that number; the ratio is what a
-user's process sees, not the ratio of tensor memory alone.
+- between updates: tf_als's median step without an update;
+- update step: how much longer tf_als's update steps take than its other
+  steps, in units of a plain step;
+- interval 1: tf_als_1's median step (measured);
+- interval 10 and 100: (between + update extra / interval), implied by the
+  two measured numbers above (each chunk holds one update step, so this is
+  also what the chunk's mean time gives, with less noise);
+- set-up: first `fit` call;
+- peak memory: the process's resident set size sampled every 2 ms during
+  the timed steps, in a fresh process per variant (`--memory`; most of it
+  is the TensorFlow runtime, so this is what a user's process sees).
 
-    python benchmarks/overhead.py            # full run (~30 min on 2 quiet cores)
-    python benchmarks/overhead.py --quick    # XLA off, one round (~10 min)
+`--mirrored` repeats the timing under `tf.distribute.MirroredStrategy` over
+two logical CPU devices (XLA off), and `--sweep` shows how the cost grows
+with the number of scaling points (the residual CNN at 1, 4 and 16 blocks).
+Results go to `benchmarks/results/overhead.json` and `overhead.md`.
+
+    python benchmarks/overhead.py                      # everything (~40 min, 2 cores)
+    python benchmarks/overhead.py --models cnn --xla off --no-memory   # ~3 min
 """
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import threading
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+MODELS = ("cnn", "resnet50", "gpt2")
+VARIANTS = ("keras", "tf_als", "tf_als_1")
 
-VARIANTS = ("keras", "als_1", "als_10", "als_100")
+
+# -- models -------------------------------------------------------------------
 
 
-def build_model(keras):
+def residual_cnn(keras, blocks=4):
+    """A residual CNN on 32x32x3 images: a stem, `blocks` residual blocks
+    (two 3x3 convolutions with BatchNormalization each), a dense head."""
     layers = keras.layers
-    inputs = keras.Input((16, 16, 3))
+    inputs = keras.Input((32, 32, 3))
     x = layers.Conv2D(32, 3, padding="same", use_bias=False)(inputs)
-    for filters in (32, 32, 64, 64):
+    for block in range(blocks):
+        filters = 32 if block < blocks // 2 else 64
         y = layers.Conv2D(filters, 3, padding="same", use_bias=False)(x)
-        y = layers.BatchNormalization()(y)
-        y = layers.ReLU()(y)
+        y = layers.ReLU()(layers.BatchNormalization()(y))
         y = layers.Conv2D(filters, 3, padding="same", use_bias=False)(y)
         y = layers.BatchNormalization()(y)
         if x.shape[-1] != filters:
             x = layers.Conv2D(filters, 1, use_bias=False)(x)
         x = layers.ReLU()(layers.Add()([x, y]))
     x = layers.GlobalAveragePooling2D()(x)
-    outputs = layers.Dense(10, dtype="float32")(x)
-    return keras.Model(inputs, outputs)
+    return keras.Model(inputs, layers.Dense(10, dtype="float32")(x))
 
 
-def make(variant, jit_compile):
+def build(name, blocks):
+    """(model, loss, x, y, batch size) with random weights and data."""
+    import keras
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    keras.utils.set_random_seed(0)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    if name == "gpt2":
+        sys.path.insert(0, ROOT)
+        from tests import architectures
+
+        case = next(c for c in architectures.SAVE_CASES if c.name == "gpt2_classifier")
+        _, model = case.build_pair()
+        x, y = case.data()
+        return model, case.loss, x, y, len(y)
+    if name == "resnet50":
+        model = keras.applications.ResNet50(
+            weights=None, input_shape=(32, 32, 3), classes=10, classifier_activation=None
+        )
+        batch = 16
+    else:
+        model = residual_cnn(keras, blocks)
+        batch = 64
+    x = rng.normal(size=(batch, 32, 32, 3)).astype("float32")
+    y = rng.integers(0, 10, size=(batch,))
+    return model, loss, x, y, batch
+
+
+def make(variant, name, jit_compile, chunk, blocks, strategy):
     import keras
 
     import tf_als
 
     keras.mixed_precision.set_global_policy("mixed_float16")
-    keras.utils.set_random_seed(0)
-    model = build_model(keras)
-    inner = keras.optimizers.SGD(0.01)
-    if variant == "keras":
-        optimizer = keras.optimizers.LossScaleOptimizer(inner)
-    else:
-        model = tf_als.instrument(model)
-        interval = int(variant.split("_")[1])
-        optimizer = tf_als.AdaptiveLossScaleOptimizer(
-            inner, update_interval=interval
-        )
-    model.compile(
-        optimizer=optimizer,
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        jit_compile=jit_compile,
-    )
-    return model
+    with strategy.scope():
+        model, loss, x, y, batch = build(name, blocks)
+        inner = keras.optimizers.SGD(1e-3)
+        if variant == "keras":
+            optimizer = keras.optimizers.LossScaleOptimizer(inner)
+        else:
+            model = tf_als.instrument(model)
+            interval = 1 if variant == "tf_als_1" else chunk
+            optimizer = tf_als.AdaptiveLossScaleOptimizer(inner, update_interval=interval)
+        model.compile(optimizer=optimizer, loss=loss, jit_compile=jit_compile)
+    return model, x, y, batch
 
 
-def data(batch, steps):
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(batch * steps, 16, 16, 3)).astype("float32")
-    y = rng.integers(0, 10, size=(batch * steps,))
-    return x, y
+# -- timing -------------------------------------------------------------------
 
 
 class StepTimer:
-    """Times the steps of one `fit` call: the wall time from the first
-    batch's start to the last batch's end (fit's own set-up and tear-down,
-    the same for every variant and noisy, are left out), and each step's
-    duration with whether it was a scale-update step."""
+    """Per-step wall times of `fit` calls, with whether each step was a
+    scale update (read from the optimizer's step counter before the step)."""
 
     def __init__(self, keras, interval):
         timer = self
+        self.steps = []  # (seconds, is_update)
 
         class Callback(keras.callbacks.Callback):
             def on_train_batch_begin(self, batch, logs=None):
                 step = int(self.model.optimizer.iterations.numpy())
-                timer.updates.append(interval > 0 and step % interval == 0)
-                timer.starts.append(time.perf_counter())
+                timer._update = interval > 0 and step % interval == 0
+                timer._start = time.perf_counter()
 
             def on_train_batch_end(self, batch, logs=None):
-                timer.ends.append(time.perf_counter())
+                timer.steps.append((time.perf_counter() - timer._start, timer._update))
 
         self.callback = Callback()
-        self.starts, self.ends, self.updates = [], [], []
-
-    @property
-    def seconds(self):
-        """From the end of the first batch to the end of the last: the first
-        batch of a `fit` call may retrace the train function."""
-        return self.ends[-1] - self.ends[0]
-
-    @property
-    def steps(self):
-        return len(self.ends) - 1
-
-    def step_seconds(self, update):
-        return [
-            end - start
-            for start, end, is_update in zip(self.starts, self.ends, self.updates)
-            if is_update == update
-        ]
 
 
-def interval_of(variant):
-    return 0 if variant == "keras" else int(variant.split("_")[1])
+def dataset(x, y, batch, steps):
+    import tensorflow as tf
+
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).repeat(steps)
 
 
-def train(model, x, y, batch, variant):
+def interval_of(variant, chunk):
+    return {"keras": 0, "tf_als": chunk, "tf_als_1": 1}[variant]
+
+
+def time_worker(args):
+    """One model, one mode: set-up and per-step times of every variant."""
     import keras
 
-    timer = StepTimer(keras, interval_of(variant))
-    model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,
-              callbacks=[timer.callback])
-    return timer
-
-
-def time_mode(jit_compile, args):
-    """Mean seconds per step of each variant, and how much longer its
-    update steps take on average than Keras's median step."""
-    import numpy as np
-
-    models = {v: make(v, jit_compile) for v in VARIANTS}
-    x, y = data(args.batch, args.chunk)
-    for variant, model in models.items():  # compile; the first update runs
-        train(model, x[: 2 * args.batch], y[: 2 * args.batch], args.batch,
-              variant)
-    timers = {v: [] for v in VARIANTS}
+    strategy = _strategy(args.strategy)
+    jit = args.xla == "on"
+    runs = {}
+    for variant in VARIANTS:
+        model, x, y, batch = make(variant, args.model, jit, args.chunk, args.blocks, strategy)
+        start = time.perf_counter()
+        model.fit(dataset(x, y, batch, 1), epochs=1, verbose=0)
+        setup = time.perf_counter() - start
+        runs[variant] = dict(
+            model=model, data=dataset(x, y, batch, args.chunk), setup=setup,
+            timer=StepTimer(keras, interval_of(variant, args.chunk)),
+            points=len(getattr(model, "scaling_points", ())),
+        )
+        # Align every tf_als variant on the start of a chunk: one step was
+        # applied, so the next update comes after chunk - 1 more.
+        model.fit(dataset(x, y, batch, args.chunk - 1), epochs=1, verbose=0)
     for _ in range(args.rounds):
-        for variant, model in models.items():
-            timers[variant].append(train(model, x, y, args.batch, variant))
-    plain = np.median([s for t in timers["keras"] for s in t.step_seconds(False)])
-    times, extra = {}, {}
-    for variant, runs in timers.items():
-        times[variant] = sum(t.seconds for t in runs) / sum(t.steps for t in runs)
-        updates = [s for t in runs for s in t.step_seconds(True)]
-        extra[variant] = float(np.mean(updates) - plain) if updates else 0.0
-    return times, extra
+        for variant, run in runs.items():
+            run["model"].fit(run["data"], epochs=1, verbose=0, callbacks=[run["timer"].callback])
+    return {
+        variant: dict(
+            setup=run["setup"], points=run["points"], steps=run["timer"].steps
+        )
+        for variant, run in runs.items()
+    }
 
 
-def peak_memory(variant, jit_compile, args):
-    """Runs in a subprocess: peak RSS (MiB) while training `--chunk` steps."""
-    model = make(variant, jit_compile)
-    x, y = data(args.batch, args.chunk)
-    train(model, x[: 2 * args.batch], y[: 2 * args.batch], args.batch, variant)
-    peak = [0]
-    done = threading.Event()
+def memory_worker(args):
+    """Peak resident set size (MiB) while one variant trains."""
+    strategy = _strategy("single")
+    model, x, y, batch = make(
+        args.variant, args.model, args.xla == "on", args.chunk, args.blocks, strategy
+    )
+    model.fit(dataset(x, y, batch, 2), epochs=1, verbose=0)
+    peak, done = [0], threading.Event()
 
     def sample():
         while not done.is_set():
@@ -191,64 +205,156 @@ def peak_memory(variant, jit_compile, args):
 
     sampler = threading.Thread(target=sample)
     sampler.start()
-    train(model, x, y, args.batch, variant)
+    model.fit(dataset(x, y, batch, args.chunk), epochs=1, verbose=0)
     done.set()
     sampler.join()
     return peak[0] / 1024.0
 
 
+def _strategy(kind):
+    import tensorflow as tf
+
+    if kind == "mirrored":
+        return tf.distribute.MirroredStrategy(
+            [d.name for d in tf.config.list_logical_devices("CPU")]
+        )
+    return tf.distribute.get_strategy()
+
+
+def _configure(strategy):
+    if strategy == "mirrored":
+        import tensorflow as tf
+
+        (cpu,) = tf.config.list_physical_devices("CPU")
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+        )
+
+
+# -- summary ------------------------------------------------------------------
+
+
+def summarise(timed, chunk):
+    """Ratios to Keras's median step (see the module docstring)."""
+    keras_step = statistics.median(s for s, _ in timed["keras"]["steps"])
+    als = timed["tf_als"]["steps"]
+    between = statistics.median(s for s, update in als if not update)
+    updates = [s for s, update in als if update]
+    extra = statistics.mean(updates) - between
+    every = statistics.median(s for s, _ in timed["tf_als_1"]["steps"])
+    return {
+        "points": timed["tf_als"]["points"],
+        "keras_ms": 1e3 * keras_step,
+        "between_updates": between / keras_step,
+        "update_step_extra": extra / between,
+        "interval_1": every / keras_step,
+        "interval_10": (between + extra / 10) / keras_step,
+        "interval_100": (between + extra / 100) / keras_step,
+        "setup": timed["tf_als"]["setup"] / timed["keras"]["setup"],
+        "setup_keras_s": timed["keras"]["setup"],
+        "update_steps": len(updates),
+    }
+
+
+def _run_worker(*arguments):
+    out = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), *arguments],
+        check=True, capture_output=True, text=True, cwd=ROOT,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+COLUMNS = (
+    ("points", "points", "{:d}"),
+    ("keras_ms", "Keras step (ms)", "{:.1f}"),
+    ("between_updates", "between updates", "{:.3f}"),
+    ("update_step_extra", "update step extra (plain steps)", "{:.2f}"),
+    ("interval_1", "interval 1", "{:.3f}"),
+    ("interval_10", "interval 10", "{:.3f}"),
+    ("interval_100", "interval 100", "{:.3f}"),
+    ("setup", "fit set-up", "{:.2f}"),
+    ("memory", "peak memory", "{:.3f}"),
+)
+
+
+def table(rows):
+    header = ["model", "XLA", "strategy"] + [title for _, title, _ in COLUMNS]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for row in rows:
+        cells = [row["model"], row["xla"], row["strategy"]]
+        for key, _, form in COLUMNS:
+            value = row.get(key)
+            cells.append("-" if value is None else form.format(value))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--chunk", type=int, default=100,
-                        help="steps per timed chunk (a multiple of 100)")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="timed chunks per variant")
-    parser.add_argument("--quick", action="store_true",
-                        help="one round, XLA off only")
-    parser.add_argument("--no-memory", action="store_true",
-                        help="skip the peak-memory subprocesses")
-    parser.add_argument("--memory-of", nargs=2, metavar=("VARIANT", "JIT"),
-                        help=argparse.SUPPRESS)
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--xla", default="off,on")
+    parser.add_argument("--chunk", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--no-mirrored", action="store_true")
+    parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--output", default="overhead")
+    # Worker arguments.
+    parser.add_argument("--worker", choices=("time", "memory"), help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--variant", help=argparse.SUPPRESS)
+    parser.add_argument("--strategy", default="single", help=argparse.SUPPRESS)
+    parser.add_argument("--blocks", type=int, default=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.memory_of:
-        variant, jit = args.memory_of
-        print(json.dumps(peak_memory(variant, jit == "1", args)))
-        return
-    if args.chunk % 100:
-        parser.error(f"--chunk must be a multiple of 100; got {args.chunk}")
-    if args.quick:
-        args.rounds = 1
-    modes = (False,) if args.quick else (False, True)
+    if args.worker:
+        _configure(args.strategy)
+        import warnings
 
+        warnings.simplefilter("ignore")
+        result = time_worker(args) if args.worker == "time" else memory_worker(args)
+        print(json.dumps(result))
+        return
+
+    common = ["--chunk", str(args.chunk), "--rounds", str(args.rounds)]
     rows = []
-    for jit in modes:
-        times, extra = time_mode(jit, args)
-        memory = {v: float("nan") for v in VARIANTS}
-        for variant in () if args.no_memory else VARIANTS:
-            out = subprocess.run(
-                [sys.executable, __file__, "--memory-of", variant,
-                 "1" if jit else "0", "--batch", str(args.batch),
-                 "--chunk", str(args.chunk)],
-                check=True, capture_output=True, text=True,
-            )
-            memory[variant] = json.loads(out.stdout.strip().splitlines()[-1])
-        for variant in VARIANTS:
-            rows.append((
-                "on" if jit else "off", variant, times[variant] * 1000,
-                times[variant] / times["keras"], extra[variant] * 1000,
-                1 + extra[variant] / (max(interval_of(variant), 1) * times["keras"]),
-                memory[variant], memory[variant] / memory["keras"],
-            ))
-    print(f"\nResidual CNN, batch {args.batch}, 16x16x3, mixed_float16, "
-          f"{args.rounds} x {args.chunk} timed steps per variant")
-    print(f"{'XLA':>4} {'variant':>10} {'ms/step':>9} {'time ratio':>11} "
-          f"{'update +ms':>11} {'from updates':>13} {'peak MiB':>9} "
-          f"{'mem ratio':>10}")
-    for xla, variant, ms, ratio, extra_ms, estimate, mib, mratio in rows:
-        name = "keras LSO" if variant == "keras" else "tf_als " + variant[4:]
-        print(f"{xla:>4} {name:>10} {ms:9.1f} {ratio:11.3f} {extra_ms:11.0f} "
-              f"{estimate:13.3f} {mib:9.0f} {mratio:10.3f}")
+
+    def measure(model, xla, strategy="single", blocks=4, memory=True):
+        base = common + ["--model", model, "--xla", xla, "--blocks", str(blocks)]
+        timed = _run_worker("--worker", "time", "--strategy", strategy, *base)
+        row = dict(model=model, xla=xla, strategy=strategy, **summarise(timed, args.chunk))
+        if memory:
+            peaks = {
+                v: _run_worker("--worker", "memory", "--variant", v, *base)
+                for v in ("keras", "tf_als")
+            }
+            row["memory"] = peaks["tf_als"] / peaks["keras"]
+            row["memory_keras_mib"] = peaks["keras"]
+        rows.append(row)
+        print(table([row]).splitlines()[-1], flush=True)
+
+    for model in args.models.split(","):
+        for xla in args.xla.split(","):
+            measure(model, xla, memory=not args.no_memory)
+    if not args.no_mirrored:
+        for model in args.models.split(","):
+            measure(model, "off", strategy="mirrored", memory=False)
+    if not args.no_sweep:
+        for blocks in (1, 4, 16):
+            measure("cnn", "off", blocks=blocks, memory=False)
+            rows[-1]["model"] = f"cnn, {blocks} blocks"
+
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, args.output + ".json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    text = table(rows)
+    with open(os.path.join(RESULTS, args.output + ".md"), "w") as f:
+        f.write(
+            "Written by `python benchmarks/overhead.py` "
+            f"(chunks of {args.chunk} steps, {args.rounds} rounds; ratios "
+            "to Keras's LossScaleOptimizer, measured side by side).\n\n"
+            + text + "\n"
+        )
+    print("\n" + text)
 
 
 if __name__ == "__main__":

@@ -109,6 +109,34 @@ def _per_replica(strategy, model):
     return result
 
 
+COLLECTIVES = []
+
+
+def _count_collectives():
+    """Records every replica-context all-gather and all-reduce as it is
+    traced: its kind, the graph it is traced into and its value shapes."""
+    import tensorflow as tf
+
+    context_class = tf.distribute.ReplicaContext
+    for kind in ("all_gather", "all_reduce"):
+        original = getattr(context_class, kind)
+
+        def counted(self, *args, _original=original, _kind=kind, **kwargs):
+            values = [
+                v for v in tf.nest.flatten((args, kwargs)) if tf.is_tensor(v)
+            ]
+            COLLECTIVES.append(
+                {
+                    "kind": _kind,
+                    "graph": str(getattr(tf.compat.v1.get_default_graph(), "name", "")),
+                    "shapes": [v.shape.as_list() for v in values],
+                }
+            )
+            return _original(self, *args, **kwargs)
+
+        setattr(context_class, kind, counted)
+
+
 def _make(strategy, initial_weights):
     import keras
 
@@ -238,7 +266,9 @@ def main(argv=None):
     train = {"fit": train_fit, "loop": train_loop}[args.mode]
 
     single = summary(*train(tf.distribute.get_strategy(), initial_weights))
+    _count_collectives()
     mirrored = summary(*train(strategy, initial_weights))
+    mirrored["collectives"] = COLLECTIVES
     result = {
         "devices": devices,
         "initial_weights": [w.tolist() for w in initial_weights],

@@ -34,14 +34,29 @@ class GradientRecorder(keras.optimizers.SGD):
 
 
 def applied_gradients(
-    model, optimizer, x, y, loss, mode="function", max_steps=40, training=True
+    model,
+    optimizer,
+    x,
+    y,
+    loss,
+    mode="function",
+    max_steps=40,
+    training=True,
+    applied=2,
 ):
     """Steps `model` on one batch until the inner `GradientRecorder` has
-    applied one step (non-finite steps are skipped by the loss scale
-    optimizer and retried at half the scale), with learning rate 0.
+    applied `applied` steps (non-finite steps are skipped by the loss scale
+    optimizer and retried at half the scale), with learning rate 0, so the
+    weights and the true gradient never change.
 
-    Returns `(gradients, steps)`: the captured numpy gradients in
-    `model.trainable_variables` order and how many steps it took.
+    Two by default: an `AdaptiveLossScaleOptimizer`'s first step is a scale
+    update, whose scales serve from the next step on, so the second applied
+    step is the first to use the scales tf_als chose. Keras's
+    `LossScaleOptimizer` receives the same gradient on both.
+
+    Returns `(gradients, steps)`: the captured numpy gradients of the last
+    applied step in `model.trainable_variables` order and how many steps it
+    took.
     """
     variables = model.trainable_variables
     optimizer.build(variables)
@@ -62,9 +77,9 @@ def applied_gradients(
         raise ValueError(f"unknown mode {mode!r}")
     for steps in range(1, max_steps + 1):
         step()
-        if int(keras.ops.convert_to_numpy(optimizer.iterations)) == 1:
+        if int(keras.ops.convert_to_numpy(optimizer.iterations)) == applied:
             return optimizer.inner_optimizer.gradients(), steps
-    raise AssertionError(f"no finite step in {max_steps} steps")
+    raise AssertionError(f"not {applied} finite steps in {max_steps} steps")
 
 
 def float32_gradients(model, x, y, loss, training=True):

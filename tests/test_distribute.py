@@ -148,6 +148,27 @@ def test_weights_equal_the_single_device_run(run):
     _check_weights(run)
 
 
+def test_one_packed_exchange_per_update_and_none_between(run):
+    """tf_als's only collective is one all-gather per replica and trace,
+    of every point's measurement packed in one tensor ([1, points,
+    measurement]), traced inside the update branch (a `tf.cond` taken on
+    update steps only), so between updates nothing is exchanged. Keras's
+    own all-reduces (gradients, synchronized BatchNormalization) are not
+    counted."""
+    from tf_als import policy
+
+    points = len(run["mirrored"]["scales"])
+    gathers = [c for c in run["mirrored"]["collectives"] if c["kind"] == "all_gather"]
+    assert gathers, run["mirrored"]["collectives"]
+    assert len(gathers) % REPLICAS == 0, gathers
+    # One trace of the train step (fit traces it once; the loop's
+    # tf.function once), so one exchange per replica.
+    assert len(gathers) == REPLICAS, gathers
+    for gather in gathers:
+        assert gather["shapes"] == [[1, points, 1 + policy.MEASUREMENT_SIZE]], gather
+        assert "cond" in gather["graph"], gather
+
+
 @pytest.mark.slow
 def test_multi_worker_custom_loop():
     """MultiWorkerMirroredStrategy: two worker processes (one CPU replica

@@ -6,9 +6,9 @@ For each architecture, three models share weights: a float32 model (the
 reference gradient), a mixed_float16 model trained by Keras's
 `LossScaleOptimizer`, and the same mixed model instrumented and trained by
 `AdaptiveLossScaleOptimizer`. Each steps on one batch (learning rate 0) until
-its inner optimizer has applied one step, so both loss scalers are compared
-at the global scale they reach on that batch, and the first tf_als step is
-a scale update. Per variable:
+its inner optimizer has applied two steps, so both loss scalers are compared
+at the global scale they reach on that batch; tf_als's first step is a scale
+update, and the second runs on the scales it chose. Per variable:
 
 - norm ratio |g| / |g32| within [0.9, 1.1] and cosine >= 0.99, wherever
   Keras's LossScaleOptimizer achieves both (where it does not, the float16

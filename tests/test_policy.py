@@ -829,3 +829,54 @@ def test_percentile_on_real_gradients(mixed):
         assert float(stats.percentile) == expected, variable.path
         checked += 1
     assert checked >= 10
+
+
+# --------------------------------------------------------------------------
+# shift_measurement: the measurement of a gradient times a power of two
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("exponent", [-3, 0, 2, 9])
+def test_shift_measurement_equals_measuring_the_scaled_gradient(run, exponent):
+    """A float32 gradient with magnitudes from 2**-20 to 2**5 (and zeros),
+    so that times 2**-3 .. 2**9 none leaves the histogram's range nor
+    reaches [32752, 32768) (where the near-max fraction counts an element
+    that its exponent bin cannot tell): measuring the scaled gradient and
+    shifting the measurement agree bitwise, in every field."""
+    rng = np.random.default_rng(3)
+    values = np.exp2(rng.uniform(-20.0, 5.0, size=256)).astype(np.float32)
+    values[rng.random(256) < 0.25] = 0.0
+    g = tf.constant(values)
+    factor = tf.constant(2.0**exponent)
+    shifted, direct = run(
+        lambda g, f: (
+            policy.shift_measurement(policy.measure([g], 0.01), f),
+            policy.measure([g * f], 0.01),
+        ),
+        g,
+        factor,
+    )
+    assert_exact(shifted, direct, what=exponent)
+
+
+def test_shift_measurement_keeps_non_finite_and_end_bins(run):
+    """inf stays inf (and its near-max share stays); a factor of 1 returns
+    the vector unchanged; mass moved past an end bin stays in it."""
+    g = f32([INF, 1.0, 0.0, 2.0**-24])
+    measured, up, same = run(
+        lambda g: (
+            policy.measure([g], 0.0),
+            policy.shift_measurement(policy.measure([g], 0.0), tf.constant(2.0**20)),
+            policy.shift_measurement(policy.measure([g], 0.0), tf.constant(1.0)),
+        ),
+        g,
+    )
+    assert_exact(same, measured)
+    fields = len(policy.GradientStatistics._fields)
+    assert up[1] == INF and up[4] == measured[4] == 0.25
+    histogram = up[fields:]
+    # 1 * 2**20 lands in the top bin (2**15 and above), 2**-24 * 2**20 at
+    # 2**-4: 1/4 of the elements each.
+    assert histogram[-1] == 0.25
+    assert histogram[policy.HISTOGRAM_EXPONENTS.index(-4)] == 0.25
+    assert up[3] == 0.0  # nothing left below 2**-14

@@ -85,21 +85,24 @@ def test_per_layer_scales_rescue_what_one_global_scale_flushes(mixed):
     ]
     assert max(keras_flushed) > 0.25, keras_flushed
 
-    # 3. tf_als on the same weights: one step, which is a scale update.
+    # 3. tf_als on the same weights: a scale update, then a step on the
+    # scales it chose.
     instrumented = tf_als.instrument(baseline)
+    # update_interval 1: the second step measures again, under the scales
+    # the first chose, so its record shows what reaches each point now.
     optimizer = tf_als.AdaptiveLossScaleOptimizer(
-        gradients.GradientRecorder(), initial_scale=settled
+        gradients.GradientRecorder(), initial_scale=settled, update_interval=1
     )
     als_grads, steps = gradients.applied_gradients(
         instrumented, optimizer, batch_x, batch_y, loss
     )
-    assert steps == 1
+    assert steps == 2
     als_flushed = [
         _flushed(g, r) for g, r in zip(als_grads[kernels], expected[kernels])
     ]
     assert max(als_flushed) <= 0.01, als_flushed
     recorded = [p.read() for p in instrumented.scaling_points]
-    assert all(r["last_update"] == 0 for r in recorded)
+    assert all(r["last_update"] == 1 for r in recorded)
     assert max(r["zero_fraction"] for r in recorded) <= 0.01
     # The rescue is the per-layer scales' doing: the global scale is the
     # one Keras settled at, and deep layers carry cumulative scales > 1.

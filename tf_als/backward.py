@@ -1,35 +1,47 @@
 """The backward pass of an instrumented model: per-layer scales, forks and
 per-call unscaling, as custom-gradient identities around the original calls.
 
-Scale bookkeeping. Every tensor t that receives a gradient carries a scale
-T(t), a power of two relative to the global loss scale S, tracked as a
-float32 scalar while the backward pass is traced:
+Which scale each gradient carries is `tf_als.algebra`'s business; this module
+applies it. Gradients run from the loss to the inputs, so when a call's
+gradient function runs, every consumer of its outputs has already run and
+recorded its scale: the scales are plain tensors handed from one gradient
+function to the next through a `Backward` object made fresh for each
+forward pass (so replicas and retraces never share one). A scaling point's
+weight gradients are divided by T_in(n) in float32 inside its own gradient
+function, so every variable receives exactly S times its true gradient,
+whichever calls it came from; `keras.optimizers.LossScaleOptimizer` then
+divides by S.
 
-    T(model output)      = 1
-    T_in(point n)        = s_n * T_out(n)              (s_n may be updated)
-    T_in(weightless c)   = T_out(c)
-    T_out(call)          = min over its outputs' T(t)  (outputs rescaled)
-    T(t)                 = min over the consumers of t (contributions rescaled)
-
-Products and ratios of powers of two are exact in float32. Gradients run
-from the loss to the inputs, so when a call's gradient function runs, every
-consumer of its outputs has already run and recorded its scale: the scales
-are plain tensors handed from one gradient function to the next through a
-`Backward` object made fresh for each forward pass (so replicas and retraces
-never share one). A scaling point's weight gradients are divided by
-T_in(n) in float32 inside its own gradient function, so every variable
-receives exactly S times its true gradient, whichever calls it came from;
-`keras.optimizers.LossScaleOptimizer` then divides by S.
+The per-layer scales are read from the points' state; the backward pass
+never chooses them. On update steps it measures each point's incoming
+gradient into the point's state, and the optimizer's `apply` chooses the
+scales of the following steps from those measurements (`tf_als.update`).
 """
+
+import typing
 
 import tensorflow as tf
 from keras.src import backend as keras_backend
 from keras.src import tree
 
-from tf_als import graph
+from tf_als import algebra
 from tf_als import hooks
 from tf_als import policy
-from tf_als import state as state_module
+
+
+class Pass(typing.NamedTuple):
+    """What the backward pass of one step needs from the optimizer.
+
+    Attributes:
+        step: int64 scalar, the optimizer step.
+        measure: bool scalar, whether this step is an update step (the
+            points measure their incoming gradients).
+        underflow_rate: float, the quantile the points measure.
+    """
+
+    step: tf.Tensor
+    measure: tf.Tensor
+    underflow_rate: float
 
 
 class Backward:
@@ -38,106 +50,35 @@ class Backward:
     Args:
         plan: the model's `tf_als.graph.Plan`.
         points: the `tf_als.state.ScalingPoint` of each scaling point.
-        find_controller: called once, when the backward pass starts, to get
-            the `AdaptiveLossScaleOptimizer` that decides when and how scales
-            are updated (`None` keeps every scale fixed). It is looked up
-            then, not at the forward pass, because a custom training loop
-            links its optimizer in `scale_loss`, after the forward pass.
+        find_pass: called once, when the backward pass starts, to get the
+            step's `Pass` (`None`: no optimizer drives the scales, and
+            nothing is measured). It is looked up then, not at the forward
+            pass, because a custom training loop links its optimizer in
+            `scale_loss`, after the forward pass.
+        inner: `(index, tf_als.composite.Inner)` of each inner point.
     """
 
-    def __init__(self, plan, points, find_controller, inner=()):
+    def __init__(self, plan, points, find_pass, inner=()):
         self.plan = plan
         self.points = points
-        self._find_controller = find_controller
+        self.scales = algebra.Scales(plan)
+        self._find_pass = find_pass
+        self._pass = None
         # (enclosing point, id(layer)) -> inner point index, and each inner
         # point's enclosing point (see `tf_als.composite`).
         self._inner = {(i.parent, id(i.layer)): index for index, i in inner}
         self._parents = {index: i.parent for index, i in inner}
         self._interior = {}  # point -> T_in, the scale of its interior
         self._handled = {}  # point -> ids of variables unscaled inside it
-        self._decided = {}  # point -> scale chosen in this pass
-        self._slot_scales = {}
-        self._point_scales = {}  # call index -> T_in of a scaling point
-        self._call_scales = {}  # call index -> T_out
-        self._step = None
-        self._should_update = None
-        self._backoff = None
+        self._used = {}  # point -> scale used in this pass
 
     @property
-    def controller(self):
-        if self._find_controller is not None:
-            self._controller = self._find_controller()
-            self._find_controller = None
-        return self._controller
-
-    # -- scale bookkeeping (runs while the backward pass is traced) --------
-
-    def slot_scale(self, slot):
-        """T(t) for the tensor in `slot`, or None if no gradient reaches it."""
-        if slot in self._slot_scales:
-            return self._slot_scales[slot]
-        scale = _minimum(
-            [self.edge_scale(c) for c in self.plan.consumers.get(slot, ())]
-        )
-        if scale is not None:
-            self._slot_scales[slot] = scale
-        return scale
-
-    def edge_scale(self, consumer):
-        """The scale of the gradient contribution `consumer` sends back."""
-        kind = consumer[0]
-        if kind in (graph.OUTPUT, graph.LOSS):
-            return 1.0
-        call = self.plan.calls[consumer[1]]
-        if kind == graph.ENTER:
-            return self.slot_scale(call.outputs[consumer[2]])
-        if call.point is not None:
-            return self._point_scales.get(call.index)
-        return self.call_scale(call)
-
-    def call_scale(self, call):
-        """T_out of `call`: the minimum over its float outputs."""
-        if call.index in self._call_scales:
-            return self._call_scales[call.index]
-        scale = _minimum(
-            [
-                self.slot_scale(slot)
-                for slot in call.outputs
-                if slot in self.plan.float_slots
-            ]
-        )
-        if scale is not None:
-            self._call_scales[call.index] = scale
-        return scale
-
-    def step(self):
-        """The optimizer's step counter (int64 tensor), read once per pass."""
-        if self._step is None:
-            self._step = tf.cast(
-                tf.convert_to_tensor(self.controller.iterations), tf.int64
-            )
-        return self._step
-
-    def should_update(self):
-        """Boolean tensor: does this step update the scales?"""
-        if self._should_update is None:
-            interval = tf.constant(self.controller.update_interval, tf.int64)
-            self._should_update = tf.equal(
-                tf.math.floormod(self.step(), interval), 0
-            )
-        return self._should_update
-
-    def backoff(self):
-        """max(1, initial global scale / current global scale)."""
-        if self._backoff is None:
-            controller = self.controller
-            initial = tf.constant(controller.initial_scale, tf.float32)
-            if controller.built:
-                current = tf.convert_to_tensor(controller.dynamic_scale)
-                self._backoff = tf.maximum(1.0, initial / current)
-            else:
-                self._backoff = tf.constant(1.0)
-        return self._backoff
+    def step_pass(self):
+        """This step's `Pass`, or None."""
+        if self._find_pass is not None:
+            self._pass = self._find_pass()
+            self._find_pass = None
+        return self._pass
 
     # -- the three custom-gradient identities ------------------------------
 
@@ -150,8 +91,8 @@ class Backward:
         @tf.custom_gradient
         def fork(x):
             def grad(*upstream):
-                scales = [self.edge_scale(c) for c in consumers]
-                common = self.slot_scale(slot)
+                scales = [self.scales.edge(c) for c in consumers]
+                common = self.scales.slot(slot)
                 parts = [
                     _rescale(dy, common, t)
                     for dy, t in zip(upstream, scales)
@@ -185,10 +126,10 @@ class Backward:
         @tf.custom_gradient
         def align(*xs):
             def grad(*upstream):
-                common = self.call_scale(call)
+                common = self.scales.call(call)
                 result = []
                 for i, dy in zip(floats, upstream):
-                    t = self.slot_scale(call.outputs[i])
+                    t = self.scales.slot(call.outputs[i])
                     result.append(dy if t is None else _rescale(dy, common, t))
                 return result
 
@@ -207,8 +148,8 @@ class Backward:
         """Calls `function(*args, **kwargs)` (the layer) as a scaling point.
 
         Forward: the layer's outputs, untouched. Backward: the output
-        gradients are aligned to T_out, the scale s_n is (re)chosen on update
-        steps, the gradients are multiplied by s_n, the layer's own backward
+        gradients are aligned to T_out (and measured on update steps), the
+        gradients are multiplied by s_n, the layer's own backward
         runs, and its weight gradients are divided by T_in = s_n * T_out in
         float32.
 
@@ -239,8 +180,8 @@ class Backward:
                 variables = list(variables or [])
                 upstream = list(upstream)
                 out_slots = [call.outputs[i] for i in floats]
-                scales = [self.slot_scale(s) for s in out_slots]
-                common = self.call_scale(call)
+                scales = [self.scales.slot(s) for s in out_slots]
+                common = self.scales.call(call)
                 if common is None:
                     common = 1.0
                 upstream = [
@@ -249,7 +190,7 @@ class Backward:
                 ]
                 scale = self._scale(call.point, upstream, common)
                 scale_in = scale * common
-                self._point_scales[call.index] = scale_in
+                self.scales.point_scales[call.index] = scale_in
                 input_grads, variable_grads = self._inside(
                     call.point, tape, ys, xs, variables, upstream, scale, scale_in
                 )
@@ -279,7 +220,7 @@ class Backward:
 
         Forward: the layer's outputs, untouched. Backward: the output
         gradients carry the scale T of the enclosing point's interior; they
-        are multiplied by s_n (re-chosen on update steps), the layer's own
+        are multiplied by s_n (measured on update steps), the layer's own
         backward runs, its weight gradients are divided by s_n * T in
         float32 and its input gradients by s_n (exact: a power of two, in
         float32), so every contribution inside the enclosing call carries
@@ -353,104 +294,45 @@ class Backward:
         return grads[: len(xs)], variable_grads
 
     def _scale(self, point, upstream, scale_out):
-        """The scale to apply now: the stored one, or on update steps a new
-        one chosen from the incoming gradient (and recorded in the point's
-        state). A layer called several times inside one enclosing call is
-        one inner point: the first of its calls to run backwards decides,
-        the others use that scale."""
-        if point in self._decided:
-            return self._decided[point]
-        self._decided[point] = scale = self._choose(
-            self.points[point], upstream, scale_out
-        )
+        """The point's scale s_n, read from its state. On update steps the
+        incoming gradient is measured first, into the state. A layer called
+        several times inside one enclosing call is one inner point: the
+        first of its calls to run backwards measures."""
+        if point in self._used:
+            return self._used[point]
+        state = self.points[point]
+        done = self._measure(state, upstream, scale_out)
+        with tf.control_dependencies([] if done is None else [done]):
+            scale = tf.identity(tf.convert_to_tensor(state.scale))
+        self._used[point] = scale
         return scale
 
-    def _choose(self, state, upstream, scale_out):
-        current = tf.convert_to_tensor(state.scale)
-        controller = self.controller
-        if controller is None:
-            return current
-        # Made outside the branch so that later points can reuse them.
-        update, step, backoff = self.should_update(), self.step(), self.backoff()
+    def _measure(self, state, upstream, scale_out):
+        """On update steps, writes `[scale_out, measure(upstream)]` and the
+        step into the point's state; returns the branch's flag (None when
+        no optimizer drives the scales). The statistics run out of line
+        (see `policy.measure`): between updates the untaken branch costs a
+        few skipped ops."""
+        step_pass = self.step_pass
+        if step_pass is None:
+            return None
 
         def measure():
-            return policy.measure(upstream, controller.underflow_rate)
-
-        if _replicas_in_sync() > 1:
-            # Replicas must agree, so they exchange their measurements, and
-            # not inside the branch below: Mirrored and MultiWorkerMirrored
-            # strategies make a replica-context collective a `merge_call`
-            # (unless XLA compiles for GPUs only), and a `merge_call` in a
-            # `tf.cond` branch fails to trace ("`merge_call` called while
-            # defining a new graph"). So each replica measures on update
-            # steps (zeros otherwise) and the small vector is exchanged on
-            # every step; the branch only uses the result. One replica
-            # (the default strategy included) keeps the original path.
-            measured = _across_replicas(
-                tf.cond(
-                    update,
-                    measure,
-                    lambda: tf.zeros([policy.MEASUREMENT_SIZE], tf.float32),
-                )
+            vector = tf.concat(
+                [
+                    tf.reshape(tf.cast(scale_out, tf.float32), [1]),
+                    policy.measure(upstream, step_pass.underflow_rate),
+                ],
+                0,
             )
-            measure = lambda: measured  # noqa: E731
-
-        def choose_and_record():
-            measurement = measure()
-            statistics, histogram = policy.split_measurement(measurement)
-            scale = policy.choose_scale(
-                statistics,
-                current,
-                controller.max_layer_scale,
-                controller.overflow_margin,
-                backoff,
-                scale_out,
-            )
-            record = state_module.record_vector(scale * scale_out, statistics)
-            assigns = [
-                state.scale.assign(scale),
-                state.record.assign(record),
-                state.histogram.assign(histogram),
-                state.last_update.assign(step),
+            writes = [
+                state.measured.assign(vector),
+                state.measured_step.assign(step_pass.step),
             ]
-            with tf.control_dependencies(assigns):
-                return tf.identity(scale)
+            with tf.control_dependencies(writes):
+                return tf.constant(True)
 
-        # Between updates the untaken branch costs a few skipped ops: the
-        # statistics run out of line (see `policy.measure`).
-        return tf.cond(update, choose_and_record, lambda: tf.identity(current))
-
-
-def _replicas_in_sync():
-    context = tf.distribute.get_replica_context()
-    return 1 if context is None else context.num_replicas_in_sync
-
-
-def _across_replicas(measurement):
-    """Replicas must agree on every scale: take the max of percentile and
-    amax and the mean of the fractions over all replicas (every replica
-    holds an equal share of the global batch, so the mean of its fractions
-    is the global batch's fraction).
-
-    `tf.distribute.ReduceOp` has no MAX (only SUM and MEAN), so the vectors
-    are all-gathered and reduced here; every replica reduces the same
-    gathered values, so all get the same result. Called in a replica
-    context with more than one replica in sync."""
-    context = tf.distribute.get_replica_context()
-    replicas = context.num_replicas_in_sync
-    gathered = context.all_gather(measurement[tf.newaxis], axis=0)
-    gathered = tf.reshape(gathered, [replicas, policy.MEASUREMENT_SIZE])
-    split = policy.MAXIMUM_ENTRIES
-    maxima = gathered[:, :split]
-    # A NaN amax (or percentile) on any replica stays NaN, as it would on a
-    # single device (which keeps the scale); a max reduction may drop NaN.
-    maxima = tf.where(
-        tf.reduce_any(tf.math.is_nan(maxima), 0),
-        tf.constant(float("nan")),
-        tf.reduce_max(maxima, 0),
-    )
-    means = tf.reduce_mean(gathered[:, split:], 0)
-    return tf.concat([maxima, means], 0)
+        return tf.cond(step_pass.measure, measure, lambda: tf.constant(False))
 
 
 def _substitute(args, kwargs, flat, positions, xs):
@@ -485,18 +367,6 @@ def _float_tensors(flat):
         positions.append([p])
         tensors.append(x)
     return positions, tensors
-
-
-def _minimum(scales):
-    present = [t for t in scales if t is not None]
-    if not present:
-        return None
-    if all(isinstance(t, float) for t in present):
-        return min(present)
-    result = present[0]
-    for t in present[1:]:
-        result = tf.minimum(result, t)
-    return result
 
 
 def _rescale(gradient, target, current):

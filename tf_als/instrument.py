@@ -241,6 +241,12 @@ class InstrumentedModel(keras.Model):
         return tuple(infos)
 
     @property
+    def inner_points(self) -> tuple:
+        """`(point index, tf_als.composite.Inner)` of each point inside
+        another (and of a subclassed model's root point)."""
+        return self._inner
+
+    @property
     def point_layers(self) -> tuple:
         """The layer each scaling point calls, aligned with `scaling_points`."""
         top = [self._plan.calls[i].operation for i in self._plan.point_calls]
@@ -251,7 +257,7 @@ class InstrumentedModel(keras.Model):
         back = backward.Backward(
             self._plan,
             self.scaling_points,
-            lambda: link.controller(self, since),
+            lambda: _step_pass(link.optimizer_of(self, since)),
             self._inner,
         )
         if graph.is_subclassed(self.model):
@@ -356,6 +362,10 @@ class InstrumentedModel(keras.Model):
             config.pop("model"), custom_objects=custom_objects
         )
         return cls(model, **config)
+
+
+def _step_pass(optimizer):
+    return None if optimizer is None else optimizer.backward_pass()
 
 
 def _with_guard(callbacks, inputs=None):

@@ -1,7 +1,8 @@
 """Which optimizer drives an instrumented model's scale updates.
 
-The backward pass of an instrumented model needs the optimizer's step counter
-and knobs. `model.compile(optimizer=...)` links the two directly. A custom
+The backward pass of an instrumented model needs the optimizer's step (is it
+an update step?), and the optimizer's `apply` needs the model whose points
+it updates. `model.compile(optimizer=...)` links the two directly. A custom
 training loop has no compile step, so `AdaptiveLossScaleOptimizer.scale_loss`,
 which every loop calls before taking gradients, announces itself here, and the
 first backward pass of an unlinked instrumented model links to the optimizer
@@ -51,7 +52,7 @@ def model_of(optimizer):
     return linked() if linked is not None else None
 
 
-def controller(model, since):
+def optimizer_of(model, since):
     """The optimizer linked to `model`. A model without one links to the
     optimizer announced after serial `since` (taken when its forward pass
     began, so that an announcement left over from another model's step is

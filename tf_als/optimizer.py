@@ -10,9 +10,11 @@ import warnings
 import keras
 import tensorflow as tf
 
+from tf_als import backward
 from tf_als import link
 from tf_als import policy
 from tf_als import storm
+from tf_als import update
 
 DEFAULT_MAX_CONSECUTIVE_SKIPS = 32
 
@@ -30,22 +32,24 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     On a model returned by `tf_als.instrument`, every call of a layer with
     weights also has its own scale s_n, applied to the gradient that reaches
     it. Every `update_interval` steps, while gradients flow, each point
-    measures its incoming gradient g and picks
+    measures its incoming gradient g; then `apply` picks, for the steps
+    that follow,
 
-        amax  = max |g|
+        amax  = max |g|  (as it will arrive under the new downstream scales)
         s_n   = 2 ** clip(largest k with amax * 2**k * overflow_margin
                           <= float16 max, -log2(T_out), log2(max_layer_scale))
 
-    where T_out is the lift the gradient already carries from the points
-    downstream: a point whose incoming gradient has no headroom left gives
-    that lift back, down to Keras's global scale alone, and no further.
-
-    (kept when g is all zero or not finite), and records the
+    (kept when g is all zero or not finite), where T_out is the lift the
+    gradient already carries from the points downstream: a point whose
+    incoming gradient has no headroom left gives that lift back, down to
+    Keras's global scale alone, and no further. It also records the
     `underflow_rate` percentile q of the nonzero |g| (rounded down to a
-    power of two, from counts per binary exponent: no sort)
-    so callbacks can report layers whose q the scale could not lift. Weight
-    gradients are unscaled per call, in float32, so the inner optimizer only
-    ever receives true float32 gradients.
+    power of two, from counts per binary exponent: no sort), so callbacks
+    can report layers whose q the scale could not lift. Under
+    `tf.distribute`, replicas exchange their measurements once per update,
+    in one all-gather, and nothing between updates. Weight gradients are
+    unscaled per call, in float32, so the inner optimizer only ever
+    receives true float32 gradients.
 
     Args:
         inner_optimizer: `keras.optimizers.Optimizer`, the optimizer that
@@ -56,8 +60,9 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             consecutive finite steps.
         update_interval: int >= 1, default 100. Per-layer scales are
             re-chosen on steps where `iterations % update_interval == 0`
-            (the first step included); in between they are constants and no
-            statistics are computed.
+            (the first step included), from that step's gradients, and
+            serve from the next step on; in between they are constants and
+            no statistics are computed.
         underflow_rate: float in [0, 1), default 0.01. The quantile of the
             nonzero gradient magnitudes that each point records and checks
             against float16's smallest normal (the paper's 1% underflow).
@@ -167,12 +172,85 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def apply(self, grads, trainable_variables=None):
         self._warn_if_plain()
+        model = link.model_of(self)
+        if model is not None:
+            # Before Keras's apply: the step counter and global scale are
+            # still those the backward pass ran with.
+            self._update_scales(model)
         try:
             super().apply(grads, trainable_variables)
         finally:
             self._finite_flags = self._loss_finite = None
         if tf.executing_eagerly():
             self.check_skips()
+
+    def backward_pass(self) -> backward.Pass:
+        """What the backward pass of the coming step needs: the step, and
+        whether it is an update step."""
+        step = tf.cast(tf.convert_to_tensor(self.iterations), tf.int64)
+        return backward.Pass(
+            step=step,
+            measure=self._due(step),
+            underflow_rate=self.underflow_rate,
+        )
+
+    def _due(self, step):
+        return tf.equal(tf.math.floormod(step, self.update_interval), 0)
+
+    def _update_scales(self, model):
+        """On update steps, chooses every point's scale for the following
+        steps from what the backward pass measured (`tf_als.update`).
+
+        With several replicas, the points exchange their measurements in
+        one all-gather, inside the update branch, so nothing is exchanged
+        between updates. A replica-context collective is a `merge_call`
+        under Mirrored and MultiWorkerMirrored strategies (unless XLA
+        compiles for GPUs only), and a `merge_call` cannot be traced inside
+        a `tf.cond` branch; so, as Keras's `LossScaleOptimizer` does for its
+        own conditional apply, the branch is taken in the cross-replica
+        context and runs the update on each replica from there.
+        """
+
+        def run():
+            step = tf.cast(tf.convert_to_tensor(self.iterations), tf.int64)
+            return update.update_scales(
+                model,
+                step,
+                self._backoff(),
+                self.max_layer_scale,
+                self.overflow_margin,
+            )
+
+        def due():
+            return self._due(tf.cast(tf.convert_to_tensor(self.iterations), tf.int64))
+
+        def idle():
+            return tf.constant(False)
+
+        context = tf.distribute.get_replica_context()
+        if (
+            context is None
+            or context.num_replicas_in_sync == 1
+            or tf.__internal__.distribute.strategy_supports_no_merge_call()
+        ):
+            tf.cond(due(), run, idle)
+            return
+
+        def cross_replica(strategy):
+            def run_on_each_replica():
+                strategy.extended.call_for_each_replica(run)
+                return tf.constant(True)
+
+            tf.cond(due(), run_on_each_replica, idle)
+
+        context.merge_call(cross_replica)
+
+    def _backoff(self):
+        """max(1, initial global scale / current global scale)."""
+        if not self.built:
+            return tf.constant(1.0)
+        initial = tf.constant(self.initial_scale, tf.float32)
+        return tf.maximum(1.0, initial / tf.convert_to_tensor(self.dynamic_scale))
 
     def _warn_if_plain(self):
         """Warns once when gradients reach this optimizer without an

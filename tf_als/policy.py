@@ -341,6 +341,54 @@ def split_measurement(measurement):
     )
 
 
+def shift_measurement(measurement, factor) -> tf.Tensor:
+    """The `measure` vector the same gradient would give multiplied by
+    `factor`, a power of two (a float32 scalar): what a point's incoming
+    gradient becomes when the scales downstream of it change by `factor`.
+
+    The percentile and amax are multiplied by `factor` (exact) and the
+    histogram moves by log2(factor) bins (the end bins keep what moves past
+    them). The subnormal and near-max fractions are read again from the
+    moved histogram (the near-max one from its top bin, 2**15 and above),
+    except that a gradient that is not finite keeps its near-max fraction,
+    which counts the non-finite elements no bin holds (such a measurement
+    keeps the point's scale anyway); the zero fraction stays. With `factor`
+    1 the vector comes back unchanged.
+
+    >>> m = measure([tf.constant([2.0**-16, 1.0, 0.0], tf.float16)], 0.0)
+    >>> shifted = shift_measurement(m, tf.constant(4.0))
+    >>> [float(v) for v in shifted[:4]]
+    [6.103515625e-05, 4.0, 0.3333333432674408, 0.0]
+    """
+    factor = tf.cast(factor, tf.float32)
+    statistics, histogram = split_measurement(measurement)
+    bins = len(HISTOGRAM_EXPONENTS)
+    moved_to = tf.clip_by_value(
+        tf.range(bins) + _pow2.floor_log2(factor), 0, bins - 1
+    )
+    moved = tf.math.unsorted_segment_sum(histogram, moved_to, bins)
+    subnormal = tf.reduce_sum(moved[: HISTOGRAM_EXPONENTS.index(-14)])
+    near_max = tf.where(
+        tf.math.is_finite(statistics.amax), moved[-1], statistics.near_max_fraction
+    )
+    shifted = tf.concat(
+        [
+            tf.stack(
+                [
+                    statistics.percentile * factor,
+                    statistics.amax * factor,
+                    statistics.zero_fraction,
+                    subnormal,
+                    near_max,
+                ]
+            ),
+            moved,
+        ],
+        0,
+    )
+    return tf.where(tf.equal(factor, 1.0), measurement, shifted)
+
+
 _MEASURE_FUNCTIONS = {}
 
 

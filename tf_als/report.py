@@ -255,6 +255,7 @@ def _computes_in_float16(layers):
 
 def _gradients(model, variables, x, y, loss_fn, training, scale=1.0, optimizer=None):
     """(the scaled gradients of one batch divided by `scale`, the loss),
+    with `optimizer`, on the per-layer scales it chooses from a first pass;
     computed in a `tf.function` as `fit` computes them (on some CPUs
     TensorFlow's graph kernels round float16 differently from its eager
     ones). A variable the loss does not reach has None."""
@@ -271,6 +272,11 @@ def _gradients(model, variables, x, y, loss_fn, training, scale=1.0, optimizer=N
         return [None if g is None else tf.convert_to_tensor(g) for g in grads], value
 
     grads, value = compute(x, y)
+    if optimizer is not None:
+        # That pass measured; choose the per-layer scales from it, as the
+        # optimizer's apply would, and take the gradients on them.
+        optimizer._update_scales(model)
+        grads, value = compute(x, y)
     grads = [None if g is None else np.asarray(g, np.float64) / scale for g in grads]
     return grads, float(value)
 

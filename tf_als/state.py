@@ -36,10 +36,18 @@ class ScalingPoint(keras.layers.Layer):
       `tf_als.policy.HISTOGRAM_EXPONENTS`).
     - `last_update`: int64 scalar, the optimizer step of the last update
       (-1 before the first).
+    - `measured`: float32 vector, what the backward pass of the last
+      update step measured of the incoming gradient, before any exchange
+      between replicas: the scale T_out it carried, then
+      `tf_als.policy.measure`'s vector.
+    - `measured_step`: int64 scalar, the step of that measurement (-1
+      before the first).
 
-    The backward pass writes them on update steps only. Under
-    `tf.distribute` every replica writes the same, aggregated values, so
-    the variables are synchronised on read from the first replica.
+    On update steps the backward pass writes `measured` and
+    `measured_step` (each replica its own), and the optimizer's `apply`
+    then writes the others (see `tf_als.update`). Under `tf.distribute`
+    every replica writes the same, aggregated values into the others, so
+    all are synchronised on read from the first replica.
 
     Args:
         point_name: str, the scaling point's name as `tf_als.scales()`
@@ -65,6 +73,13 @@ class ScalingPoint(keras.layers.Layer):
             np.zeros([len(policy.HISTOGRAM_EXPONENTS)], np.float32),
         )
         self.last_update = self._state("last_update", (), "int64", -1)
+        self.measured = self._state(
+            "measured",
+            (1 + policy.MEASUREMENT_SIZE,),
+            "float32",
+            np.zeros([1 + policy.MEASUREMENT_SIZE], np.float32),
+        )
+        self.measured_step = self._state("measured_step", (), "int64", -1)
         self.built = True
 
     def _state(self, name, shape, dtype, initial):
