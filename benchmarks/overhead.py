@@ -12,34 +12,38 @@ with `fit` on the same synthetic batches:
 
 Set-up is the wall time of the first `fit` call of one step (trace,
 compile, run). The variants then train in alternating chunks of `--chunk`
-steps for `--rounds` rounds; a callback times every step. Reported, as
+steps for `--rounds` rounds; a callback times every step but the first of
+each chunk (which also sets up `fit`'s iterator); each chunk's update step
+falls in its middle. Reported, as
 ratios to Keras's median step:
 
 - between updates: tf_als's median step without an update;
-- update step: how much longer tf_als's update steps take than its other
-  steps, in units of a plain step;
+- update step: how much longer tf_als's median update step takes than its
+  median step without one, in units of the latter (the first update step
+  a process runs in a compiled function without XLA also instantiates the
+  statistics functions, an outlier the median leaves out);
 - interval 1: tf_als_1's median step (measured);
 - interval 10 and 100: (between + update extra / interval), implied by the
-  two measured numbers above (each chunk holds one update step, so this is
-  also what the chunk's mean time gives, with less noise);
+  two measured numbers above;
 - set-up: first `fit` call;
 - peak memory: the process's resident set size sampled every 2 ms during
   the timed steps, in a fresh process per variant (`--memory`; most of it
   is the TensorFlow runtime, so this is what a user's process sees).
 
-`--mirrored` repeats the timing under `tf.distribute.MirroredStrategy` over
-two logical CPU devices (XLA off), and `--sweep` shows how the cost grows
-with the number of scaling points (the residual CNN at 1, 4 and 16 blocks).
+The timing is repeated under `tf.distribute.MirroredStrategy` over two
+logical CPU devices (XLA off; not for ResNet50, whose steps take seconds
+here), and a sweep shows how the cost grows with the number of scaling
+points (the residual CNN at 1, 4 and 16 blocks, XLA on).
 Results go to `benchmarks/results/overhead.json` and `overhead.md`.
 
-    python benchmarks/overhead.py                      # everything (~40 min, 2 cores)
-    python benchmarks/overhead.py --models cnn --xla off --no-memory   # ~3 min
+    python benchmarks/overhead.py                      # everything
+    python benchmarks/overhead.py --models gpt2 --xla on --no-mirrored --no-sweep
 """
 
 import argparse
 import json
 import os
-import statistics
+
 import subprocess
 import sys
 import threading
@@ -49,6 +53,19 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 MODELS = ("cnn", "resnet50", "gpt2")
+# (batch, chunk, rounds) per model and XLA mode. Without XLA, TensorFlow's
+# float16 convolution gradients have no fast CPU kernel: a step of the CNN
+# at batch 32 takes 8.8 s there against 0.10 s with XLA, so the conv nets
+# run small batches and few steps without XLA.
+SETTINGS = {
+    ("cnn", "off"): (8, 10, 2),
+    ("cnn", "on"): (32, 20, 3),
+    ("resnet50", "off"): (4, 10, 1),
+    ("resnet50", "on"): (4, 20, 3),
+    ("gpt2", "off"): (None, 20, 3),
+    ("gpt2", "on"): (None, 20, 3),
+}
+MIRRORED = ("cnn", "gpt2")
 VARIANTS = ("keras", "tf_als", "tf_als_1")
 
 
@@ -56,10 +73,11 @@ VARIANTS = ("keras", "tf_als", "tf_als_1")
 
 
 def residual_cnn(keras, blocks=4):
-    """A residual CNN on 32x32x3 images: a stem, `blocks` residual blocks
-    (two 3x3 convolutions with BatchNormalization each), a dense head."""
+    """A residual CNN on 16x16x3 images (README's): a stem, `blocks`
+    residual blocks (two 3x3 convolutions with BatchNormalization each), a
+    dense head."""
     layers = keras.layers
-    inputs = keras.Input((32, 32, 3))
+    inputs = keras.Input((16, 16, 3))
     x = layers.Conv2D(32, 3, padding="same", use_bias=False)(inputs)
     for block in range(blocks):
         filters = 32 if block < blocks // 2 else 64
@@ -74,8 +92,9 @@ def residual_cnn(keras, blocks=4):
     return keras.Model(inputs, layers.Dense(10, dtype="float32")(x))
 
 
-def build(name, blocks):
-    """(model, loss, x, y, batch size) with random weights and data."""
+def build(name, blocks, batch):
+    """(model, loss, x, y, batch size) with random weights and data
+    (GPT-2's batch is its test case's)."""
     import keras
     import numpy as np
 
@@ -94,23 +113,23 @@ def build(name, blocks):
         model = keras.applications.ResNet50(
             weights=None, input_shape=(32, 32, 3), classes=10, classifier_activation=None
         )
-        batch = 16
+        size = 32
     else:
         model = residual_cnn(keras, blocks)
-        batch = 64
-    x = rng.normal(size=(batch, 32, 32, 3)).astype("float32")
+        size = 16
+    x = rng.normal(size=(batch, size, size, 3)).astype("float32")
     y = rng.integers(0, 10, size=(batch,))
     return model, loss, x, y, batch
 
 
-def make(variant, name, jit_compile, chunk, blocks, strategy):
+def make(variant, name, jit_compile, chunk, blocks, strategy, batch):
     import keras
 
     import tf_als
 
     keras.mixed_precision.set_global_policy("mixed_float16")
     with strategy.scope():
-        model, loss, x, y, batch = build(name, blocks)
+        model, loss, x, y, batch = build(name, blocks, batch)
         inner = keras.optimizers.SGD(1e-3)
         if variant == "keras":
             optimizer = keras.optimizers.LossScaleOptimizer(inner)
@@ -140,7 +159,10 @@ class StepTimer:
                 timer._start = time.perf_counter()
 
             def on_train_batch_end(self, batch, logs=None):
-                timer.steps.append((time.perf_counter() - timer._start, timer._update))
+                if batch > 0:  # The first also sets up the iterator.
+                    timer.steps.append(
+                        (time.perf_counter() - timer._start, timer._update)
+                    )
 
         self.callback = Callback()
 
@@ -163,7 +185,9 @@ def time_worker(args):
     jit = args.xla == "on"
     runs = {}
     for variant in VARIANTS:
-        model, x, y, batch = make(variant, args.model, jit, args.chunk, args.blocks, strategy)
+        model, x, y, batch = make(
+            variant, args.model, jit, args.chunk, args.blocks, strategy, args.batch
+        )
         start = time.perf_counter()
         model.fit(dataset(x, y, batch, 1), epochs=1, verbose=0)
         setup = time.perf_counter() - start
@@ -172,9 +196,11 @@ def time_worker(args):
             timer=StepTimer(keras, interval_of(variant, args.chunk)),
             points=len(getattr(model, "scaling_points", ())),
         )
-        # Align every tf_als variant on the start of a chunk: one step was
-        # applied, so the next update comes after chunk - 1 more.
-        model.fit(dataset(x, y, batch, args.chunk - 1), epochs=1, verbose=0)
+        # Put every tf_als variant's update step in the middle of each timed
+        # chunk: the first batch of a `fit` call also sets up its iterator,
+        # and is left out of the statistics. One step was applied, so after
+        # chunk / 2 - 1 more, step chunk / 2 of every chunk is an update.
+        model.fit(dataset(x, y, batch, args.chunk // 2 - 1), epochs=1, verbose=0)
     for _ in range(args.rounds):
         for variant, run in runs.items():
             run["model"].fit(run["data"], epochs=1, verbose=0, callbacks=[run["timer"].callback])
@@ -190,7 +216,8 @@ def memory_worker(args):
     """Peak resident set size (MiB) while one variant trains."""
     strategy = _strategy("single")
     model, x, y, batch = make(
-        args.variant, args.model, args.xla == "on", args.chunk, args.blocks, strategy
+        args.variant, args.model, args.xla == "on", args.chunk, args.blocks,
+        strategy, args.batch,
     )
     model.fit(dataset(x, y, batch, 2), epochs=1, verbose=0)
     peak, done = [0], threading.Event()
@@ -234,14 +261,26 @@ def _configure(strategy):
 # -- summary ------------------------------------------------------------------
 
 
-def summarise(timed, chunk):
+def _median(values):
+    import numpy as np
+
+    return float(np.median(list(values)))
+
+
+def _mean(values):
+    import numpy as np
+
+    return float(np.mean(list(values)))
+
+
+def summarise(timed):
     """Ratios to Keras's median step (see the module docstring)."""
-    keras_step = statistics.median(s for s, _ in timed["keras"]["steps"])
+    keras_step = _median(s for s, _ in timed["keras"]["steps"])
     als = timed["tf_als"]["steps"]
-    between = statistics.median(s for s, update in als if not update)
+    between = _median(s for s, update in als if not update)
     updates = [s for s, update in als if update]
-    extra = statistics.mean(updates) - between
-    every = statistics.median(s for s, _ in timed["tf_als_1"]["steps"])
+    extra = _median(updates) - between
+    every = _median(s for s, _ in timed["tf_als_1"]["steps"])
     return {
         "points": timed["tf_als"]["points"],
         "keras_ms": 1e3 * keras_step,
@@ -253,6 +292,8 @@ def summarise(timed, chunk):
         "setup": timed["tf_als"]["setup"] / timed["keras"]["setup"],
         "setup_keras_s": timed["keras"]["setup"],
         "update_steps": len(updates),
+        "step_seconds": {v: timed[v]["steps"] for v in VARIANTS},
+        "setup_seconds": {v: timed[v]["setup"] for v in VARIANTS},
     }
 
 
@@ -265,6 +306,7 @@ def _run_worker(*arguments):
 
 
 COLUMNS = (
+    ("batch", "batch", "{:d}"),
     ("points", "points", "{:d}"),
     ("keras_ms", "Keras step (ms)", "{:.1f}"),
     ("between_updates", "between updates", "{:.3f}"),
@@ -293,8 +335,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--xla", default="off,on")
-    parser.add_argument("--chunk", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--chunk", type=int, help="steps per chunk (default: per model)")
+    parser.add_argument("--rounds", type=int, help="timed chunks per variant (default: per model)")
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--no-mirrored", action="store_true")
     parser.add_argument("--no-sweep", action="store_true")
@@ -305,6 +347,7 @@ def main():
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     parser.add_argument("--strategy", default="single", help=argparse.SUPPRESS)
     parser.add_argument("--blocks", type=int, default=4, help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         _configure(args.strategy)
@@ -315,13 +358,21 @@ def main():
         print(json.dumps(result))
         return
 
-    common = ["--chunk", str(args.chunk), "--rounds", str(args.rounds)]
     rows = []
 
-    def measure(model, xla, strategy="single", blocks=4, memory=True):
-        base = common + ["--model", model, "--xla", xla, "--blocks", str(blocks)]
+    def measure(model, xla, strategy="single", blocks=4, memory=True, label=None):
+        batch, chunk, rounds = SETTINGS[(model, xla)]
+        chunk, rounds = args.chunk or chunk, args.rounds or rounds
+        base = [
+            "--chunk", str(chunk), "--rounds", str(rounds),
+            "--model", model, "--xla", xla, "--blocks", str(blocks),
+        ] + ([] if batch is None else ["--batch", str(batch)])
         timed = _run_worker("--worker", "time", "--strategy", strategy, *base)
-        row = dict(model=model, xla=xla, strategy=strategy, **summarise(timed, args.chunk))
+        row = dict(
+            model=label or model, xla=xla, strategy=strategy, batch=batch, chunk=chunk,
+            rounds=rounds,
+            **summarise(timed),
+        )
         if memory:
             peaks = {
                 v: _run_worker("--worker", "memory", "--variant", v, *base)
@@ -331,30 +382,32 @@ def main():
             row["memory_keras_mib"] = peaks["keras"]
         rows.append(row)
         print(table([row]).splitlines()[-1], flush=True)
+        write(rows, args.output)  # after every row: a long run can be cut
 
     for model in args.models.split(","):
         for xla in args.xla.split(","):
             measure(model, xla, memory=not args.no_memory)
     if not args.no_mirrored:
         for model in args.models.split(","):
-            measure(model, "off", strategy="mirrored", memory=False)
+            if model in MIRRORED:
+                measure(model, "off", strategy="mirrored", memory=False)
     if not args.no_sweep:
         for blocks in (1, 4, 16):
-            measure("cnn", "off", blocks=blocks, memory=False)
-            rows[-1]["model"] = f"cnn, {blocks} blocks"
+            measure("cnn", "on", blocks=blocks, memory=False, label=f"cnn, {blocks} blocks")
 
+    print("\n" + table(rows))
+
+
+def write(rows, output):
     os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, args.output + ".json"), "w") as f:
+    with open(os.path.join(RESULTS, output + ".json"), "w") as f:
         json.dump(rows, f, indent=1)
-    text = table(rows)
-    with open(os.path.join(RESULTS, args.output + ".md"), "w") as f:
+    with open(os.path.join(RESULTS, output + ".md"), "w") as f:
         f.write(
-            "Written by `python benchmarks/overhead.py` "
-            f"(chunks of {args.chunk} steps, {args.rounds} rounds; ratios "
-            "to Keras's LossScaleOptimizer, measured side by side).\n\n"
-            + text + "\n"
+            "Written by `python benchmarks/overhead.py` (ratios to Keras's "
+            "LossScaleOptimizer, measured side by side; chunks and rounds "
+            "per model in overhead.json).\n\n" + table(rows) + "\n"
         )
-    print("\n" + text)
 
 
 if __name__ == "__main__":
