@@ -212,22 +212,29 @@ def time_worker(args):
     }
 
 
+def _rss_mib():
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+    return float("nan")
+
+
 def memory_worker(args):
-    """Peak resident set size (MiB) while one variant trains."""
+    """Resident set size (MiB) of one variant's process after `fit`'s
+    set-up, and its peak while training."""
     strategy = _strategy("single")
     model, x, y, batch = make(
         args.variant, args.model, args.xla == "on", args.chunk, args.blocks,
         strategy, args.batch,
     )
     model.fit(dataset(x, y, batch, 2), epochs=1, verbose=0)
-    peak, done = [0], threading.Event()
+    after_setup = _rss_mib()
+    peak, done = [after_setup], threading.Event()
 
     def sample():
         while not done.is_set():
-            with open("/proc/self/status") as status:
-                for line in status:
-                    if line.startswith("VmRSS:"):
-                        peak[0] = max(peak[0], int(line.split()[1]))
+            peak[0] = max(peak[0], _rss_mib())
             time.sleep(0.002)
 
     sampler = threading.Thread(target=sample)
@@ -235,7 +242,7 @@ def memory_worker(args):
     model.fit(dataset(x, y, batch, args.chunk), epochs=1, verbose=0)
     done.set()
     sampler.join()
-    return peak[0] / 1024.0
+    return {"after_setup": after_setup, "peak": peak[0]}
 
 
 def _strategy(kind):
@@ -378,8 +385,8 @@ def main():
                 v: _run_worker("--worker", "memory", "--variant", v, *base)
                 for v in ("keras", "tf_als")
             }
-            row["memory"] = peaks["tf_als"] / peaks["keras"]
-            row["memory_keras_mib"] = peaks["keras"]
+            row["memory"] = peaks["tf_als"]["peak"] / peaks["keras"]["peak"]
+            row["memory_mib"] = peaks
         rows.append(row)
         print(table([row]).splitlines()[-1], flush=True)
         write(rows, args.output)  # after every row: a long run can be cut
