@@ -187,12 +187,15 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def backward_pass(self) -> backward.Pass:
         """What the backward pass of the coming step needs: the step, and
         whether it is an update step."""
-        step = tf.cast(tf.convert_to_tensor(self.iterations), tf.int64)
+        step = self._step()
         return backward.Pass(
             step=step,
             measure=self._due(step),
             underflow_rate=self.underflow_rate,
         )
+
+    def _step(self):
+        return tf.cast(tf.convert_to_tensor(self.iterations), tf.int64)
 
     def _due(self, step):
         return tf.equal(tf.math.floormod(step, self.update_interval), 0)
@@ -212,17 +215,16 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """
 
         def run():
-            step = tf.cast(tf.convert_to_tensor(self.iterations), tf.int64)
             return update.update_scales(
                 model,
-                step,
+                self._step(),
                 self._backoff(),
                 self.max_layer_scale,
                 self.overflow_margin,
             )
 
         def due():
-            return self._due(tf.cast(tf.convert_to_tensor(self.iterations), tf.int64))
+            return self._due(self._step())
 
         def idle():
             return tf.constant(False)
