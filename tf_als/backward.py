@@ -374,6 +374,8 @@ def _rescale(gradient, target, current):
     (<= current): times target/current, a power of two, so exact; computed
     in float32, since a factor below float16's range must not round to zero
     before it is applied."""
+    if target is current:  # One scale, one object (a single consumer).
+        return gradient
     if isinstance(target, float) and isinstance(current, float):
         if target == current:
             return gradient
