@@ -307,8 +307,13 @@ def summarise(timed):
 def _run_worker(*arguments):
     out = subprocess.run(
         [sys.executable, os.path.abspath(__file__), *arguments],
-        check=True, capture_output=True, text=True, cwd=ROOT,
+        capture_output=True, text=True, cwd=ROOT,
     )
+    if out.returncode != 0:
+        raise RuntimeError(
+            f"worker {' '.join(arguments)} exited with {out.returncode}:\n"
+            + "\n".join(out.stderr.strip().splitlines()[-30:])
+        )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
