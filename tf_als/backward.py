@@ -21,12 +21,12 @@ scales of the following steps from those measurements (`tf_als.update`).
 import typing
 
 import tensorflow as tf
-from keras.src import backend as keras_backend
-from keras.src import tree
+from keras import tree
 
+from tf_als import _keras
 from tf_als import algebra
 from tf_als import hooks
-from tf_als import policy
+from tf_als import rule
 
 
 class Pass(typing.NamedTuple):
@@ -105,10 +105,8 @@ class Backward:
             return [tf.identity(x) for _ in range(count)], grad
 
         outputs = fork(x)
-        mask = keras_backend.get_keras_mask(x)
-        if mask is not None:
-            for y in outputs:
-                keras_backend.set_keras_mask(y, mask)
+        for y in outputs:
+            _keras.copy_mask(x, y)
         return outputs
 
     def align(self, call, outputs):
@@ -138,9 +136,7 @@ class Backward:
         aligned = align(*[outputs[i] for i in floats])
         outputs = list(outputs)
         for i, y in zip(floats, aligned):
-            mask = keras_backend.get_keras_mask(outputs[i])
-            if mask is not None:
-                keras_backend.set_keras_mask(y, mask)
+            _keras.copy_mask(outputs[i], y)
             outputs[i] = y
         return outputs
 
@@ -203,9 +199,7 @@ class Backward:
             ys = [ys]
         outputs = list(results["outputs"])
         for i, y in zip(results["floats"], ys):
-            mask = keras_backend.get_keras_mask(outputs[i])
-            if mask is not None:
-                keras_backend.set_keras_mask(y, mask)
+            _keras.copy_mask(outputs[i], y)
             outputs[i] = y
         return outputs
 
@@ -311,7 +305,7 @@ class Backward:
         """On update steps, writes `[scale_out, measure(upstream)]` and the
         step into the point's state; returns the branch's flag (None when
         no optimizer drives the scales). The statistics run out of line
-        (see `policy.measure`): between updates the untaken branch costs a
+        (see `rule.measure`): between updates the untaken branch costs a
         few skipped ops."""
         step_pass = self.step_pass
         if step_pass is None:
@@ -321,7 +315,7 @@ class Backward:
             vector = tf.concat(
                 [
                     tf.reshape(tf.cast(scale_out, tf.float32), [1]),
-                    policy.measure(upstream, step_pass.underflow_rate),
+                    rule.measure(upstream, step_pass.underflow_rate),
                 ],
                 0,
             )
@@ -343,9 +337,7 @@ def _substitute(args, kwargs, flat, positions, xs):
         for p in position:
             original = flat[p]
             if x is not original:
-                mask = keras_backend.get_keras_mask(original)
-                if mask is not None:
-                    keras_backend.set_keras_mask(x, mask)
+                _keras.copy_mask(original, x)
             flat[p] = x
     return tree.pack_sequence_as((args, kwargs), flat)
 

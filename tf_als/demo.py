@@ -78,19 +78,19 @@ class _StepTimer:
                 self.epoch_times, self.steps, self.skipped = [], 0, 0
 
             def on_epoch_begin(self, epoch, logs=None):
-                self._start = time.perf_counter()
-                self._iterations = self._read_iterations()
+                self._began = time.perf_counter()
+                self._applied_before = self._read_iterations()
                 self._batches = 0
 
             def on_train_batch_end(self, batch, logs=None):
                 self._batches += 1
 
             def on_epoch_end(self, epoch, logs=None):
-                seconds = time.perf_counter() - self._start
+                seconds = time.perf_counter() - self._began
                 if epoch > 0:
                     self.epoch_times.append(seconds)
                     self.steps += self._batches
-                applied = self._read_iterations() - self._iterations
+                applied = self._read_iterations() - self._applied_before
                 self.skipped += self._batches - applied
 
             def _read_iterations(self):

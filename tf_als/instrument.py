@@ -8,9 +8,7 @@ from typing import Optional
 
 import keras
 import tensorflow as tf
-from keras.src import backend as keras_backend
-from keras.src import tree
-from keras.src.models.functional import operation_fn
+from keras import tree
 
 from tf_als import _keras
 from tf_als import backward
@@ -199,8 +197,7 @@ class InstrumentedModel(keras.Model):
         kwargs.setdefault("name", f"{model.name}_instrumented")
         super().__init__(**kwargs)
         # Inputs reach the layers exactly as they reach the original model.
-        self._convert_input_args = False
-        self._allow_non_tensor_positional_args = True
+        _keras.pass_inputs_through(self)
         self.model = model
         self._plan = plan
         self._inner = tuple(enumerate(inner, start=len(plan.point_names)))
@@ -218,7 +215,7 @@ class InstrumentedModel(keras.Model):
         # one by position (names change when a model is rebuilt in the same
         # process; positions follow the plan and do not).
         for index, point in enumerate(self.scaling_points):
-            self._track_trackable(point, name=f"scaling_point_{index}")
+            _keras.track(self, point, f"scaling_point_{index}")
         if not graph.is_subclassed(model):
             functional = graph.functional_of(model)
             if hasattr(functional, "output_names"):
@@ -414,11 +411,11 @@ def _run(plan, back, inputs, training, mask):
     def value(slot, consumer):
         return edges.get((slot, consumer), values[slot])
 
-    flat_inputs = top._standardize_inputs(inputs)
+    flat_inputs = _keras.standardize_inputs(top, inputs)
     if mask is not None:
         for x, m in zip(flat_inputs, tree.flatten(mask)):
             if m is not None:
-                keras_backend.set_keras_mask(x, m)
+                _keras.set_mask(x, m)
     for slot, x in zip(plan.input_slots, flat_inputs):
         bind(slot, x)
 
@@ -428,14 +425,13 @@ def _run(plan, back, inputs, training, mask):
                 value(slot, (graph.ENTER, call.index, position))
                 for position, (_, slot) in enumerate(call.inputs)
             ]
-            flat = call.operation._convert_inputs_to_tensors(flat)
-            outputs = call.operation._adjust_input_rank(flat)
+            outputs = _keras.enter_functional(call.operation, flat)
         else:
             key = (graph.CALL, call.index)
             filled = {kid: value(slot, key) for kid, slot in call.inputs}
             args, kwargs = call.node.arguments.fill_in(filled)
             context_training = training if call.training is None else call.training
-            function = operation_fn(call.operation, training=context_training)
+            function = _keras.operation_fn(call.operation, context_training)
             if call.point is not None:
                 outputs = back.point(call, function, args, kwargs)
             else:
@@ -446,7 +442,7 @@ def _run(plan, back, inputs, training, mask):
     outputs = [
         value(slot, (graph.OUTPUT, k)) for k, slot in enumerate(plan.output_slots)
     ]
-    outputs = tree.pack_sequence_as(top._outputs_struct, outputs)
+    outputs = tree.pack_sequence_as(_keras.outputs_struct(top), outputs)
     if isinstance(outputs, (list, tuple)) and len(outputs) == 1:
         return outputs[0]
     return outputs

@@ -13,6 +13,7 @@ from typing import Optional
 
 import keras
 
+from tf_als import _keras
 from tf_als import forward
 from tf_als import graph
 from tf_als import link
@@ -28,7 +29,7 @@ class NonFiniteStormError(FloatingPointError):
 def describe(optimizer, skips: int, attempted: Optional[int] = None) -> str:
     """The error message for `optimizer` after `skips` consecutive skips,
     `attempted` batches into training (None: not known)."""
-    variables = list(getattr(optimizer, "_trainable_variables", None) or [])
+    variables = _keras.optimizer_variables(optimizer)
     index, bad, loss_finite = (
         int(v) for v in keras.ops.convert_to_numpy(optimizer.first_non_finite)
     )
@@ -128,7 +129,7 @@ def _layer_of(variable):
 def _plain_after(optimizer, variable):
     """Without a plan: the layer of the next variable in training order, a
     stand-in for the layer after it (None for the last one)."""
-    variables = list(optimizer._trainable_variables)
+    variables = _keras.optimizer_variables(optimizer)
     layer = _layer_of(variable)
     position = next(i for i, v in enumerate(variables) if v is variable)
     for later in variables[position + 1 :]:
@@ -171,7 +172,7 @@ class NonFiniteGuard(keras.callbacks.Callback):
                 "`inputs` must be a callable returning input batches, or "
                 f"None; received {type(inputs).__name__}."
             )
-        self._inputs = inputs
+        self._input_batches = inputs
         self._batches = 0
 
     def on_train_begin(self, logs=None):
@@ -193,10 +194,10 @@ class NonFiniteGuard(keras.callbacks.Callback):
 
     def _forward_hint(self, optimizer):
         loss_finite = int(keras.ops.convert_to_numpy(optimizer.first_non_finite)[2])
-        if self._inputs is None or loss_finite != 0:
+        if self._input_batches is None or loss_finite != 0:
             return None
         model = getattr(self.model, "model", self.model)  # the plain layers
-        culprit = forward.search(model, self._inputs())
+        culprit = forward.search(model, self._input_batches())
         if culprit is None:
             return (
                 "An eager re-run on training batches found every layer output "

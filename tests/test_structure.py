@@ -1,0 +1,151 @@
+"""The package's shape: no import cycles, and Keras internals touched in one
+module only (`tf_als/_keras.py`), so that a Keras upgrade is checked there.
+
+Both read the source; nothing is imported or run.
+"""
+
+import ast
+import os
+import re
+
+import keras
+
+PACKAGE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "tf_als")
+FENCE = "_keras"
+# Keras methods tf_als overrides in its subclasses (defining a hook, not
+# reading Keras's state): `LossScaleOptimizer` calls them on every step.
+OVERRIDES = {"_stateful_handle_finite_grads", "_stateful_handle_non_finite_grads"}
+
+
+def _modules():
+    """{module name: parsed source} of every module of the package."""
+    modules = {}
+    for filename in sorted(os.listdir(PACKAGE)):
+        if filename.endswith(".py"):
+            with open(os.path.join(PACKAGE, filename)) as f:
+                source = f.read()
+            modules[filename[:-3]] = (source, ast.parse(source, filename))
+    return modules
+
+
+def _imports(tree):
+    """The package modules a module imports, anywhere in it (functions
+    included: a deferred import still ties the two modules together)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.module == "tf_als":
+                found.update(alias.name for alias in node.names)
+            elif node.module.startswith("tf_als."):
+                found.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("tf_als."):
+                    found.add(alias.name.split(".")[1])
+    return found
+
+
+def _cycle(graph):
+    """One import cycle of `graph` as a list of modules, or None."""
+    state = {}
+
+    def visit(module, path):
+        state[module] = "open"
+        for target in sorted(graph.get(module, ())):
+            if state.get(target) == "open":
+                return path[path.index(target):] + [target]
+            if target not in state:
+                found = visit(target, path + [target])
+                if found:
+                    return found
+        state[module] = "done"
+        return None
+
+    for module in sorted(graph):
+        if module not in state:
+            found = visit(module, [module])
+            if found:
+                return found
+    return None
+
+
+def test_cycle_finder_finds_a_planted_cycle():
+    """Guards the next test: a cycle through three modules is found."""
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycle(graph) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_package_has_no_import_cycle():
+    modules = _modules()
+    graph = {
+        name: {m for m in _imports(tree) if m in modules and m != name}
+        for name, (_, tree) in modules.items()
+    }
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+def test_keras_src_is_imported_only_in_the_fence():
+    offenders = [
+        name
+        for name, (source, _) in _modules().items()
+        if name != FENCE and "keras.src" in source
+    ]
+    assert offenders == [], f"keras.src outside tf_als/{FENCE}.py: {offenders}"
+
+
+def _keras_private_names():
+    """Names Keras's own source defines as private (methods and attributes
+    it sets on `self`)."""
+    root = os.path.join(os.path.dirname(keras.__file__), "src")
+    pattern = re.compile(r"(?:def |self\.)(_[a-z][a-z0-9_]*)\b(?:\s*\(|\s*=[^=])")
+    names = set()
+    for directory, _, files in os.walk(root):
+        for filename in files:
+            if filename.endswith(".py") and not filename.endswith("_test.py"):
+                with open(os.path.join(directory, filename)) as f:
+                    names.update(pattern.findall(f.read()))
+    return names
+
+
+def _own_definitions(modules):
+    """Private names the package defines itself: functions, classes and
+    module-level names (attributes set on `self` are not counted: in a
+    Keras subclass such a name may be Keras's own)."""
+    names = set()
+    for _, tree in modules.values():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                names.add(node.name)
+        for node in tree.body:
+            if isinstance(node, ast.Assign):
+                names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def _private_uses(tree):
+    """(line, name) of every private attribute a module reads or sets."""
+    return [
+        (node.lineno, node.attr)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr.startswith("_")
+        and not node.attr.startswith("__")
+    ]
+
+
+def test_private_keras_names_are_used_only_in_the_fence():
+    modules = _modules()
+    keras_names = _keras_private_names()
+    assert "_flatten_layers" in keras_names  # the scan reads Keras's source
+    ours = _own_definitions(modules)
+    offenders = [
+        f"tf_als/{name}.py:{line} {attr}"
+        for name, (_, tree) in modules.items()
+        if name != FENCE
+        for line, attr in _private_uses(tree)
+        if attr in keras_names and attr not in ours and attr not in OVERRIDES
+    ]
+    assert offenders == [], "private Keras names outside the fence:\n" + "\n".join(
+        offenders
+    )
