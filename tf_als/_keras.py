@@ -45,6 +45,13 @@ def operation_fn(operation, training):
     return _functional.operation_fn(operation, training=training)
 
 
+def fill_in(node, values):
+    """(args, kwargs) of a Functional graph node's call, with its input
+    tensors replaced by `values` ({id of the KerasTensor: value}), as
+    `Functional.call` fills them. Keras 3.15 `Node.arguments.fill_in`."""
+    return node.arguments.fill_in(values)
+
+
 def sequential_graph(model):
     """The Functional graph a built Sequential model runs, or None before
     it is built. Keras 3.15 `Sequential._functional`."""

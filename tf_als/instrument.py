@@ -411,32 +411,10 @@ def _run(plan, back, inputs, training, mask):
     def value(slot, consumer):
         return edges.get((slot, consumer), values[slot])
 
-    flat_inputs = _keras.standardize_inputs(top, inputs)
-    if mask is not None:
-        for x, m in zip(flat_inputs, tree.flatten(mask)):
-            if m is not None:
-                _keras.set_mask(x, m)
-    for slot, x in zip(plan.input_slots, flat_inputs):
+    for slot, x in zip(plan.input_slots, _model_inputs(top, inputs, mask)):
         bind(slot, x)
-
     for call in plan.calls:
-        if call.kind == graph.ENTER:
-            flat = [
-                value(slot, (graph.ENTER, call.index, position))
-                for position, (_, slot) in enumerate(call.inputs)
-            ]
-            outputs = _keras.enter_functional(call.operation, flat)
-        else:
-            key = (graph.CALL, call.index)
-            filled = {kid: value(slot, key) for kid, slot in call.inputs}
-            args, kwargs = call.node.arguments.fill_in(filled)
-            context_training = training if call.training is None else call.training
-            function = _keras.operation_fn(call.operation, context_training)
-            if call.point is not None:
-                outputs = back.point(call, function, args, kwargs)
-            else:
-                outputs = back.align(call, tree.flatten(function(*args, **kwargs)))
-        for slot, y in zip(call.outputs, outputs):
+        for slot, y in zip(call.outputs, _run_call(call, value, back, training)):
             bind(slot, y)
 
     outputs = [
@@ -446,6 +424,37 @@ def _run(plan, back, inputs, training, mask):
     if isinstance(outputs, (list, tuple)) and len(outputs) == 1:
         return outputs[0]
     return outputs
+
+
+def _model_inputs(top, inputs, mask) -> list:
+    """The model's flat inputs as `Functional.call` standardises them, with
+    the masks given to the call attached."""
+    flat_inputs = _keras.standardize_inputs(top, inputs)
+    if mask is not None:
+        for x, m in zip(flat_inputs, tree.flatten(mask)):
+            if m is not None:
+                _keras.set_mask(x, m)
+    return flat_inputs
+
+
+def _run_call(call, value, back, training) -> list:
+    """The flat outputs of plan call `call`, its inputs read with
+    `value(slot, consumer)`: a nested model's entry, a scaling point, or a
+    weightless call with its outputs aligned."""
+    if call.kind == graph.ENTER:
+        flat = [
+            value(slot, (graph.ENTER, call.index, position))
+            for position, (_, slot) in enumerate(call.inputs)
+        ]
+        return _keras.enter_functional(call.operation, flat)
+    key = (graph.CALL, call.index)
+    filled = {kid: value(slot, key) for kid, slot in call.inputs}
+    args, kwargs = _keras.fill_in(call.node, filled)
+    context_training = training if call.training is None else call.training
+    function = _keras.operation_fn(call.operation, context_training)
+    if call.point is not None:
+        return back.point(call, function, args, kwargs)
+    return back.align(call, tree.flatten(function(*args, **kwargs)))
 
 
 def _inner_points(plan):

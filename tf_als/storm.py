@@ -46,53 +46,60 @@ def describe(optimizer, skips: int, attempted: Optional[int] = None) -> str:
         f"loss scale, halved at each, is down to {scale:g}, and training "
         f"stopped {where} instead of skipping forever."
     ]
+    return " ".join(lines + _cause(optimizer, variables, index, bad, loss_finite))
+
+
+def _cause(optimizer, variables, index, bad, loss_finite) -> list:
+    """The sentences saying where the first skipped step turned non-finite
+    and what to try, from the optimizer's record of that step."""
     if loss_finite == 0:
-        lines.append(
+        return [
             "At the first skipped step the loss itself was not finite, so "
             "no loss scale can help: the forward pass overflowed float16, or "
             "the data holds NaN or inf. Run tf_als.diagnose(model, x, y) on "
             "a failing batch: it names the first layer whose float16 output "
             "is not finite (give that layer dtype='float32') or says that "
             "float32 fails too (check the data)."
-        )
-        return " ".join(lines)
+        ]
     if not 0 <= index < len(variables):
-        lines.append(
+        return [
             "Which layer's gradient was first non-finite was not recorded. "
             "Run tf_als.diagnose(model, x, y) on a batch of the failing data "
             "to find it."
-        )
-        return " ".join(lines)
+        ]
     variable = variables[index]
     layer, after = _locate(optimizer, variable)
-    lines.append(
+    return [
         f"At the first skipped step, walking back from the loss, the first "
         f"non-finite weight gradient was in layer {layer!r} (variable "
         f"{variable.path!r}); {bad} of {len(variables)} weight gradients were "
-        "non-finite."
-    )
+        "non-finite.",
+        _advice(layer, after),
+        "If the loss scale legitimately has to fall further, raise "
+        "max_consecutive_skips (None disables this stop).",
+    ]
+
+
+def _advice(layer, after) -> str:
+    """What to check when `layer`'s weight gradient was the first
+    non-finite one, its incoming gradient coming from `after` (None: from
+    the loss)."""
     if after is None:
-        lines.append(
+        return (
             f"The gradient reaching {layer!r} comes straight from the loss: "
             "check the inputs and labels for NaN or inf (e.g. "
             "np.isfinite(x).all()), whether the loss overflows float32, and "
             f"the weights and outputs of {layer!r} for very large values."
         )
-    else:
-        lines.append(
-            f"The values became non-finite in the backward pass of {layer!r} "
-            f"or in the gradient it received from {after}: check those "
-            "layers' weights and activations for very large values (and the "
-            "inputs for NaN or inf if every layer is affected), try a lower "
-            "learning rate or gradient clipping (clipnorm= on the inner "
-            "optimizer), and run tf_als.diagnose(model, x, y) on a failing "
-            "batch."
-        )
-    lines.append(
-        "If the loss scale legitimately has to fall further, raise "
-        "max_consecutive_skips (None disables this stop)."
+    return (
+        f"The values became non-finite in the backward pass of {layer!r} "
+        f"or in the gradient it received from {after}: check those "
+        "layers' weights and activations for very large values (and the "
+        "inputs for NaN or inf if every layer is affected), try a lower "
+        "learning rate or gradient clipping (clipnorm= on the inner "
+        "optimizer), and run tf_als.diagnose(model, x, y) on a failing "
+        "batch."
     )
-    return " ".join(lines)
 
 
 def _locate(optimizer, variable):
