@@ -141,12 +141,7 @@ def _statistics_of_magnitudes(magnitudes, underflow_rate):
             tf.float32,
         )
     )
-    # A max reduction may drop NaN; keep it (inf stays inf).
-    amax = tf.where(
-        tf.reduce_any(tf.math.is_nan(magnitudes)),
-        tf.constant(float("nan")),
-        tf.reduce_max(magnitudes),
-    )
+    amax = nan_max(magnitudes)
     counts = _exponent_counts(magnitudes, is_zero)
     percentile = _percentile(counts, nonzero, underflow_rate)
     size = tf.maximum(size, 1.0)
@@ -159,6 +154,22 @@ def _statistics_of_magnitudes(magnitudes, underflow_rate):
 # magnitudes, which rank above every finite one.
 _LOWEST, _HIGHEST = _pow2.MIN_EXPONENT, _pow2.MAX_EXPONENT
 _NON_FINITE_BIN = _HIGHEST - _LOWEST + 1
+
+
+def nan_max(values, axis=None) -> tf.Tensor:
+    """The maximum of `values` (float32) over `axis`, NaN wherever a NaN is
+    among them: TensorFlow's max reduction may drop NaN. inf stays inf.
+
+    >>> float(nan_max(tf.constant([1.0, float("nan"), 3.0])))
+    nan
+    >>> nan_max(tf.constant([[1.0, 2.0], [float("inf"), 0.0]]), 0).numpy()
+    array([inf,  2.], dtype=float32)
+    """
+    return tf.where(
+        tf.reduce_any(tf.math.is_nan(values), axis),
+        tf.constant(float("nan")),
+        tf.reduce_max(values, axis),
+    )
 
 
 def _exponent_counts(magnitudes, is_zero):

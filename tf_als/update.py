@@ -132,11 +132,6 @@ def across_replicas(measured):
     context = tf.distribute.get_replica_context()
     gathered = context.all_gather(measured[tf.newaxis], axis=0)
     gathered = tf.reshape(gathered, [replicas] + measured.shape.as_list())
-    maxima = gathered[:, :, :_MAXIMUM_COLUMNS]
-    maxima = tf.where(
-        tf.reduce_any(tf.math.is_nan(maxima), 0),
-        tf.constant(float("nan")),
-        tf.reduce_max(maxima, 0),
-    )
+    maxima = rule.nan_max(gathered[:, :, :_MAXIMUM_COLUMNS], 0)
     means = tf.reduce_mean(gathered[:, :, _MAXIMUM_COLUMNS:], 0)
     return tf.concat([maxima, means], 1)
