@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from tf_als.instrument import InstrumentedModel
 from tf_als.optimizer import AdaptiveLossScaleOptimizer
+from tf_als import link
 from tf_als import overview
 from tf_als import rule
 from tf_als import state
@@ -196,8 +197,7 @@ class ScaleHistory(keras.callbacks.Callback):
     def _optimizer(self):
         optimizer = getattr(self.model, "optimizer", None)
         if optimizer is None:
-            linked = getattr(self.model, "_tf_als_optimizer", None)
-            optimizer = linked() if linked is not None else None
+            optimizer = link.linked_optimizer(self.model)
         if not isinstance(optimizer, AdaptiveLossScaleOptimizer):
             raise ValueError(
                 f"Model {self.model.name!r} has no "
