@@ -9,7 +9,6 @@ import contextlib
 import keras
 from keras.src import backend as _backend
 from keras.src.models import functional as _functional
-from keras.src.models.sequential import Sequential as _Sequential
 
 # Keras 3.15 `keras.src.models.functional.Functional`: the class of every
 # model built from `keras.Input`s; it is not exported (`keras.Model(inputs,
