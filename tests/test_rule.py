@@ -21,6 +21,7 @@ import tensorflow as tf
 
 from tf_als import _pow2
 from tf_als import rule
+from tests.modes import MODES, compiled
 
 INF = float("inf")
 NAN = float("nan")
@@ -28,23 +29,15 @@ F16_MAX = 65504.0
 F16_MIN_NORMAL = 2.0**-14
 F16_MIN_SUBNORMAL = 2.0**-24
 
-MODES = ("eager", "tf_function", "xla")
-
-
 @pytest.fixture(params=MODES)
 def run(request):
     """`run(fn, *tensors)` calls `fn` in the mode of the test case and returns
     its outputs as numpy values (structure kept)."""
-    mode = request.param
 
     def run(fn, *args):
         # autograph=False: the rule has no tensor-dependent Python control
         # flow, and converting tfp's percentile costs time.
-        if mode == "tf_function":
-            fn = tf.function(fn, autograph=False)
-        elif mode == "xla":
-            fn = tf.function(fn, jit_compile=True, autograph=False)
-        outputs = fn(*args)
+        outputs = compiled(fn, request.param, autograph=False)(*args)
         return tf.nest.map_structure(lambda t: t.numpy(), outputs)
 
     return run
