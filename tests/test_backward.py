@@ -1,4 +1,4 @@
-"""Scale semantics of the backward pass (DESIGN.md), checked exactly.
+"""Scale semantics of the backward pass (docs/design.md), checked exactly.
 
 The model below has every structure the bookkeeping handles: a tensor
 forking into two scaling points (`stem` -> `left`, `right`), a weightless

@@ -2,6 +2,7 @@
 a layer with weights, and `scales(model)` to read them."""
 
 import dataclasses
+import inspect
 import re
 import warnings
 from typing import Optional
@@ -284,16 +285,13 @@ class InstrumentedModel(keras.Model):
         """`keras.Model.fit`, plus a `tf_als.callbacks.NonFiniteGuard` (unless
         one is given) so that a run whose steps are all skipped stops with a
         `NonFiniteStormError` (see `max_consecutive_skips`)."""
-        position = 5  # fit(x, y, batch_size, epochs, verbose, callbacks, ...)
-        x = args[0] if args else kwargs.get("x")
-        batch_size = args[2] if len(args) > 2 else kwargs.get("batch_size")
-        inputs = _input_batches(x, batch_size)
-        if len(args) > position:
-            args = list(args)
-            args[position] = _with_guard(args[position], inputs)
-        else:
-            kwargs["callbacks"] = _with_guard(kwargs.get("callbacks"), inputs)
-        return super().fit(*args, **kwargs)
+        bound = inspect.signature(keras.Model.fit).bind(self, *args, **kwargs)
+        arguments = dict(bound.arguments)
+        del arguments["self"]
+        arguments.update(arguments.pop("kwargs", {}))
+        inputs = _input_batches(arguments.get("x"), arguments.get("batch_size"))
+        arguments["callbacks"] = _with_guard(arguments.get("callbacks"), inputs)
+        return super().fit(**arguments)
 
     def export(
         self, filepath, format="tf_saved_model", verbose=None, input_signature=None, **kwargs
