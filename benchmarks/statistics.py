@@ -2,7 +2,7 @@
 sort they replace, side by side in one process.
 
 For float16 gradients of growing size (log-normal magnitudes, a third
-zeros), times `tf_als.policy.measure` (amax, fractions, exponent counts
+zeros), times `tf_als.rule.measure` (amax, fractions, exponent counts
 giving the percentile and the histogram) and the same statistics with the
 percentile from a full sort (`tfp.stats.percentile` on the nonzero
 magnitudes, what tf_als ran before), each compiled with `tf.function`, XLA
@@ -21,7 +21,7 @@ import tensorflow as tf
 import tensorflow_probability as tfp
 
 sys.path.insert(0, ".")
-from tf_als import policy  # noqa: E402
+from tf_als import rule  # noqa: E402
 
 SIZES = (2**14, 2**17, 2**20, 2**22)
 
@@ -37,7 +37,7 @@ def _sorted_statistics(g, rate):
     index = tf.floor(rate * tf.maximum(nonzero - 1.0, 0.0))
     q = tf.minimum(100.0 * (index + 0.5) / tf.maximum(size - 1.0, 1.0), 100.0)
     percentile = tfp.stats.percentile(masked, q, interpolation="lower")
-    histogram = policy.log2_histogram(g)
+    histogram = rule.log2_histogram(g)
     return tf.concat(
         [tf.stack([percentile, tf.reduce_max(magnitudes)]), histogram], 0
     )
@@ -60,7 +60,7 @@ def main(argv=None):
     print("| XLA | elements | sorted (ms) | linear (ms) | ratio | percentile: sorted / linear |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for jit in (False, True):
-        linear = tf.function(lambda g: policy.measure([g], 0.01), jit_compile=jit)
+        linear = tf.function(lambda g: rule.measure([g], 0.01), jit_compile=jit)
         sort = tf.function(lambda g: _sorted_statistics(g, 0.01), jit_compile=jit)
         for size in SIZES:
             values = np.exp2(rng.normal(-8.0, 5.0, size)).astype(np.float16)

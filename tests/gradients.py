@@ -5,6 +5,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tests.modes import compiled, loop_step
+
 
 class GradientRecorder(keras.optimizers.SGD):
     """SGD with learning rate 0 that keeps, in variables, the last gradient
@@ -62,19 +64,9 @@ def applied_gradients(
     optimizer.build(variables)
 
     def step():
-        with tf.GradientTape() as tape:
-            prediction = model(x, training=training)
-            value = loss(y, prediction)
-            scaled = optimizer.scale_loss(value)
-        grads = tape.gradient(scaled, variables)
-        optimizer.apply(grads, variables)
+        loop_step(model, optimizer, loss, x, y, training)
 
-    if mode == "function":
-        step = tf.function(step)
-    elif mode == "xla":
-        step = tf.function(step, jit_compile=True)
-    elif mode != "eager":
-        raise ValueError(f"unknown mode {mode!r}")
+    step = compiled(step, mode)
     for steps in range(1, max_steps + 1):
         step()
         if int(keras.ops.convert_to_numpy(optimizer.iterations)) == applied:

@@ -1,4 +1,4 @@
-"""Scale semantics of the backward pass (DESIGN.md), checked exactly.
+"""Scale semantics of the backward pass (docs/design.md), checked exactly.
 
 The model below has every structure the bookkeeping handles: a tensor
 forking into two scaling points (`stem` -> `left`, `right`), a weightless
@@ -14,10 +14,10 @@ import tensorflow as tf
 
 import tf_als
 from tests import gradients
+from tests.modes import MODES, compiled
 
 layers = keras.layers
 
-MODES = ("eager", "tf_function", "xla")
 
 
 def _bookkeeping_model():
@@ -52,11 +52,7 @@ def _loss(y, outputs):
 
 
 def _run(mode, function):
-    if mode == "tf_function":
-        return tf.function(function)()
-    if mode == "xla":
-        return tf.function(function, jit_compile=True)()
-    return function()
+    return compiled(function, mode)()
 
 
 # Distinct scales per point (powers of two), small enough that with the

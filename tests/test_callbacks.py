@@ -107,7 +107,7 @@ def test_epoch_logs_reach_history_and_csv_logger(mixed, tmp_path):
     shares = []
     for point in model.scaling_points:
         histogram, scale = point.read_histogram(), point.read()["scale"]
-        exponents = np.asarray(tf_als.policy.HISTOGRAM_EXPONENTS) + np.log2(scale)
+        exponents = np.asarray(tf_als.rule.HISTOGRAM_EXPONENTS) + np.log2(scale)
         shares.append(float(np.sum(histogram[exponents < -14])))
     assert fit.history["worst_subnormal_fraction"][-1] == pytest.approx(max(shares), rel=1e-6)
     with open(path) as handle:

@@ -155,7 +155,7 @@ def test_one_packed_exchange_per_update_and_none_between(run):
     update steps only), so between updates nothing is exchanged. Keras's
     own all-reduces (gradients, synchronized BatchNormalization) are not
     counted."""
-    from tf_als import policy
+    from tf_als import rule
 
     points = len(run["mirrored"]["scales"])
     gathers = [c for c in run["mirrored"]["collectives"] if c["kind"] == "all_gather"]
@@ -165,7 +165,7 @@ def test_one_packed_exchange_per_update_and_none_between(run):
     # tf.function once), so one exchange per replica.
     assert len(gathers) == REPLICAS, gathers
     for gather in gathers:
-        assert gather["shapes"] == [[1, points, 1 + policy.MEASUREMENT_SIZE]], gather
+        assert gather["shapes"] == [[1, points, 1 + rule.MEASUREMENT_SIZE]], gather
         assert "cond" in gather["graph"], gather
 
 

@@ -15,6 +15,7 @@ import tensorflow as tf
 
 import tf_als
 from tests import architectures
+from tests.modes import compiled, loop_step
 
 CASE = architectures.CASES[5]  # shared_layer
 STEPS = 5
@@ -54,18 +55,11 @@ def _train_fit(jit_compile=False, run_eagerly=False):
 def _train_loop(mode):
     model, optimizer, x, y = _setup()
     loss = SmallLoss()
-    variables = model.trainable_variables
 
     def step():
-        with tf.GradientTape() as tape:
-            value = loss(y, model(x, training=True))
-            scaled = optimizer.scale_loss(value)
-        optimizer.apply(tape.gradient(scaled, variables), variables)
+        loop_step(model, optimizer, loss, x, y)
 
-    if mode == "tf_function":
-        step = tf.function(step)
-    elif mode == "xla":
-        step = tf.function(step, jit_compile=True)
+    step = compiled(step, mode)
     for _ in range(STEPS):
         step()
     return model, optimizer

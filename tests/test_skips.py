@@ -6,7 +6,7 @@ post-LN Transformer, through weight-gradient sums over the batch). A lift
 that leaves no headroom further up would overflow there: a skipped step and
 a halved global scale, which grows back only after `dynamic_growth_steps`
 (2000) finite steps, and Keras's single scale would not have skipped. The
-rule gives such lift back (`tf_als.policy.choose_scale`, `inherited`).
+rule gives such lift back (`tf_als.rule.choose_scale`, `inherited`).
 
 Each test trains the same model from the same weights on the same batches
 twice, with Keras's `LossScaleOptimizer` and with tf_als, and compares the

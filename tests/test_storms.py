@@ -20,6 +20,7 @@ import pytest
 import tensorflow as tf
 
 import tf_als
+from tests.modes import loop_step
 
 BATCH = 16
 
@@ -194,13 +195,12 @@ def test_a_finite_step_resets_the_count():
     optimizer.check_skips()
 
 
+def _mean_squared_error(y, prediction):
+    return tf.reduce_mean(keras.losses.mean_squared_error(y, prediction))
+
+
 def _loop_step(model, optimizer, x, y):
-    with tf.GradientTape() as tape:
-        loss = keras.losses.mean_squared_error(y, model(x, training=True))
-        loss = tf.reduce_mean(loss)
-        scaled = optimizer.scale_loss(loss)
-    grads = tape.gradient(scaled, model.trainable_variables)
-    optimizer.apply(grads, model.trainable_variables)
+    loop_step(model, optimizer, _mean_squared_error, x, y)
 
 
 def test_eager_custom_loop_stops_by_itself():

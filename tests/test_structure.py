@@ -149,3 +149,40 @@ def test_private_keras_names_are_used_only_in_the_fence():
     assert offenders == [], "private Keras names outside the fence:\n" + "\n".join(
         offenders
     )
+
+
+# "Short enough to read at once": about 40 lines of code, docstring,
+# comments and blank lines not counted.
+LONGEST_FUNCTION = 45
+
+
+def _code_lines(function, lines):
+    body = function.body
+    first = body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+        start = first.end_lineno + 1  # after the docstring
+    else:
+        start = first.lineno
+    return [
+        line
+        for line in lines[start - 1 : function.end_lineno]
+        if line.strip() and not line.strip().startswith("#")
+    ]
+
+
+def test_code_line_counter_skips_docstrings_and_comments():
+    source = 'def f():\n    """Doc.\n\n    More."""\n    # note\n\n    x = 1\n    return x\n'
+    function = ast.parse(source).body[0]
+    assert _code_lines(function, source.splitlines()) == ["    x = 1", "    return x"]
+
+
+def test_no_function_is_too_long_to_read_at_once():
+    too_long = []
+    for name, (source, tree) in _modules().items():
+        lines = source.splitlines()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                count = len(_code_lines(node, lines))
+                if count > LONGEST_FUNCTION:
+                    too_long.append(f"tf_als/{name}.py {node.name}: {count} lines")
+    assert too_long == [], "\n".join(too_long)

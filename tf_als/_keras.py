@@ -7,6 +7,109 @@ a Keras upgrade is checked here and nowhere else.
 import contextlib
 
 import keras
+from keras.src import backend as _backend
+from keras.src.models import functional as _functional
+
+# Keras 3.15 `keras.src.models.functional.Functional`: the class of every
+# model built from `keras.Input`s; it is not exported (`keras.Model(inputs,
+# outputs)` returns one).
+Functional = _functional.Functional
+Sequential = keras.Sequential
+
+
+def get_mask(x):
+    """The Keras mask `x` carries, or None. Keras 3.15
+    `keras.src.backend.get_keras_mask` (public: none; layers receive masks
+    as arguments)."""
+    return _backend.get_keras_mask(x)
+
+
+def set_mask(x, mask) -> None:
+    """Attaches a Keras mask to `x`, as a layer's output carries one.
+    Keras 3.15 `keras.src.backend.set_keras_mask`."""
+    _backend.set_keras_mask(x, mask)
+
+
+def copy_mask(source, target) -> None:
+    """Gives `target` the mask `source` carries (if any)."""
+    mask = get_mask(source)
+    if mask is not None:
+        set_mask(target, mask)
+
+
+def operation_fn(operation, training):
+    """The callable `Functional.call` runs a node's operation with (the
+    `training` flag of the call filled in). Keras 3.15
+    `keras.src.models.functional.operation_fn`."""
+    return _functional.operation_fn(operation, training=training)
+
+
+def fill_in(node, values):
+    """(args, kwargs) of a Functional graph node's call, with its input
+    tensors replaced by `values` ({id of the KerasTensor: value}), as
+    `Functional.call` fills them. Keras 3.15 `Node.arguments.fill_in`."""
+    return node.arguments.fill_in(values)
+
+
+def sequential_graph(model):
+    """The Functional graph a built Sequential model runs, or None before
+    it is built. Keras 3.15 `Sequential._functional`."""
+    return model._functional
+
+
+def nodes_by_depth(functional) -> dict:
+    """{depth: nodes} of a Functional graph (depth 0 at the outputs).
+    Keras 3.15 `Functional._nodes_by_depth`; public: none."""
+    return functional._nodes_by_depth
+
+
+def inputs_struct(functional):
+    """The nested structure of a Functional model's inputs. Keras 3.15
+    `Functional._inputs_struct` (public `model.inputs` is flat)."""
+    return functional._inputs_struct
+
+
+def outputs_struct(functional):
+    """The nested structure of a Functional model's outputs. Keras 3.15
+    `Functional._outputs_struct` (public `model.outputs` is flat)."""
+    return functional._outputs_struct
+
+
+def standardize_inputs(functional, inputs) -> list:
+    """`inputs` flattened, converted and cast as `Functional.call` does on
+    entry. Keras 3.15 `Functional._standardize_inputs`."""
+    return functional._standardize_inputs(inputs)
+
+
+def enter_functional(functional, flat) -> list:
+    """What a nested Functional model makes of the flat inputs of one of its
+    calls before running its graph (conversion, rank adjustment). Keras
+    3.15 `Functional._convert_inputs_to_tensors`, `_adjust_input_rank`."""
+    flat = functional._convert_inputs_to_tensors(flat)
+    return functional._adjust_input_rank(flat)
+
+
+def pass_inputs_through(model) -> None:
+    """Makes `model.__call__` hand its inputs to `call` as they are given
+    (no conversion, non-tensor positional arguments allowed), so they
+    reach the layers exactly as they reach the original model. Keras 3.15
+    `Layer._convert_input_args`, `_allow_non_tensor_positional_args`."""
+    model._convert_input_args = False
+    model._allow_non_tensor_positional_args = True
+
+
+def track(owner, child, name: str) -> None:
+    """Tracks `child` as a dependency of `owner` named `name`, for
+    `tf.train.Checkpoint` (Keras's own list wrappers are not followed).
+    TensorFlow's `Trackable._track_trackable`, which Keras 3.15 layers
+    inherit on the TensorFlow backend."""
+    owner._track_trackable(child, name=name)
+
+
+def optimizer_variables(optimizer) -> list:
+    """The trainable variables `optimizer` was built for, in its order.
+    Keras 3.15 `Optimizer._trainable_variables`; public: none."""
+    return list(getattr(optimizer, "_trainable_variables", None) or [])
 
 
 def sublayers(layer, recursive: bool) -> list:

@@ -90,8 +90,10 @@ class Scales:
 
 def minimum(scales):
     """The minimum of the known scales (None entries are unknown), as a
-    Python float when all are floats; None when none is known."""
-    present = [t for t in scales if t is not None]
+    Python float when all are floats; None when none is known. One tensor
+    given several times is taken once, so the minimum of one tensor is
+    that tensor, and rescaling to it is no op at all (`backward._rescale`)."""
+    present = list({id(t): t for t in scales if t is not None}.values())
     if not present:
         return None
     if all(isinstance(t, float) for t in present):

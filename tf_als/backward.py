@@ -21,12 +21,12 @@ scales of the following steps from those measurements (`tf_als.update`).
 import typing
 
 import tensorflow as tf
-from keras.src import backend as keras_backend
-from keras.src import tree
+from keras import tree
 
+from tf_als import _keras
 from tf_als import algebra
 from tf_als import hooks
-from tf_als import policy
+from tf_als import rule
 
 
 class Pass(typing.NamedTuple):
@@ -105,10 +105,8 @@ class Backward:
             return [tf.identity(x) for _ in range(count)], grad
 
         outputs = fork(x)
-        mask = keras_backend.get_keras_mask(x)
-        if mask is not None:
-            for y in outputs:
-                keras_backend.set_keras_mask(y, mask)
+        for y in outputs:
+            _keras.copy_mask(x, y)
         return outputs
 
     def align(self, call, outputs):
@@ -138,9 +136,7 @@ class Backward:
         aligned = align(*[outputs[i] for i in floats])
         outputs = list(outputs)
         for i, y in zip(floats, aligned):
-            mask = keras_backend.get_keras_mask(outputs[i])
-            if mask is not None:
-                keras_backend.set_keras_mask(y, mask)
+            _keras.copy_mask(outputs[i], y)
             outputs[i] = y
         return outputs
 
@@ -155,58 +151,24 @@ class Backward:
 
         Returns the flat list of outputs.
         """
-        flat_args = tree.flatten((args, kwargs))
-        positions, xs = _float_tensors(flat_args)
-        results = {}
 
-        @tf.custom_gradient
-        def scaled(*xs):
-            call_args, call_kwargs = _substitute(
-                args, kwargs, flat_args, positions, xs
-            )
-            with tf.GradientTape() as tape:
-                tape.watch(xs)
-                with hooks.inside(self, call.point):
-                    outputs = function(*call_args, **call_kwargs)
-            flat_outputs = tree.flatten(outputs)
-            results["outputs"] = flat_outputs
-            floats = [
-                i for i, y in enumerate(flat_outputs) if _is_float_tensor(y)
-            ]
-            results["floats"] = floats
-            ys = [flat_outputs[i] for i in floats]
-
-            def grad(*upstream, variables=None):
-                variables = list(variables or [])
-                upstream = list(upstream)
-                out_slots = [call.outputs[i] for i in floats]
-                scales = [self.scales.slot(s) for s in out_slots]
-                common = self.scales.call(call)
-                if common is None:
-                    common = 1.0
-                upstream = [
-                    dy if t is None else _rescale(_dense(dy), common, t)
-                    for dy, t in zip(upstream, scales)
-                ]
-                scale = self._scale(call.point, upstream, common)
-                scale_in = scale * common
-                self.scales.point_scales[call.index] = scale_in
-                input_grads, variable_grads = self._inside(
-                    call.point, tape, ys, xs, variables, upstream, scale, scale_in
+        def backward(tape, ys, xs, variables, upstream, floats):
+            common = self.scales.call(call)
+            common = 1.0 if common is None else common
+            upstream = [
+                dy if t is None else _rescale(_dense(dy), common, t)
+                for dy, t in zip(
+                    upstream, [self.scales.slot(call.outputs[i]) for i in floats]
                 )
-                return input_grads, variable_grads
+            ]
+            scale = self._scale(call.point, upstream, common)
+            scale_in = scale * common
+            self.scales.point_scales[call.index] = scale_in
+            return self._inside(
+                call.point, tape, ys, xs, variables, upstream, scale, scale_in
+            )
 
-            return ys, grad
-
-        ys = scaled(*xs)
-        if not isinstance(ys, (list, tuple)):
-            ys = [ys]
-        outputs = list(results["outputs"])
-        for i, y in zip(results["floats"], ys):
-            mask = keras_backend.get_keras_mask(outputs[i])
-            if mask is not None:
-                keras_backend.set_keras_mask(y, mask)
-            outputs[i] = y
+        _, outputs = self._scaled_call(call.point, function, args, kwargs, backward)
         return outputs
 
     def inner_point_of(self, parent, layer):
@@ -227,9 +189,42 @@ class Backward:
         the same scale T, whichever layer it came from (the common scale at
         every fork inside it).
         """
+        parent = self._parents[point]
+
+        def backward(tape, ys, xs, variables, upstream, floats):
+            upstream = [
+                tf.zeros_like(y) if dy is None else _dense(dy)
+                for y, dy in zip(ys, upstream)
+            ]
+            scale_out = self._interior.get(parent, 1.0)
+            scale = self._scale(point, upstream, scale_out)
+            scale_in = scale * scale_out
+            input_grads, variable_grads = self._inside(
+                point, tape, ys, xs, variables, upstream, scale, scale_in
+            )
+            input_grads = [
+                None if g is None else _rescale(g, scale_out, scale_in)
+                for g in input_grads
+            ]
+            self._handled.setdefault(parent, set()).update(id(v) for v in variables)
+            return input_grads, variable_grads
+
+        structure, outputs = self._scaled_call(point, function, args, kwargs, backward)
+        return tree.pack_sequence_as(structure, outputs)
+
+    def _scaled_call(self, point, function, args, kwargs, backward):
+        """Runs `function(*args, **kwargs)` inside a custom gradient over its
+        float inputs, under a tape, as point `point` (hooked layers called
+        inside become its inner points). The gradient is
+        `backward(tape, ys, xs, variables, upstream, floats)`: `ys` the
+        float outputs (at positions `floats` of the flat outputs), `xs`
+        the float inputs, `variables` those the call read.
+
+        Returns (the outputs' structure, the flat outputs, float ones
+        replaced by their identities).
+        """
         flat = tree.flatten((args, kwargs))
         positions, xs = _float_tensors(flat)
-        parent = self._parents[point]
         results = {}
 
         @tf.custom_gradient
@@ -245,35 +240,20 @@ class Backward:
             ys = [flat_outputs[i] for i in floats]
 
             def grad(*upstream, variables=None):
-                upstream = [
-                    tf.zeros_like(y) if dy is None else _dense(dy)
-                    for y, dy in zip(ys, upstream)
-                ]
-                scale_out = self._interior.get(parent, 1.0)
-                scale = self._scale(point, upstream, scale_out)
-                scale_in = scale * scale_out
-                input_grads, variable_grads = self._inside(
-                    point, tape, ys, xs, list(variables or []), upstream,
-                    scale, scale_in,
+                return backward(
+                    tape, ys, xs, list(variables or []), list(upstream), floats
                 )
-                input_grads = [
-                    None if g is None else _rescale(g, scale_out, scale_in)
-                    for g in input_grads
-                ]
-                self._handled.setdefault(parent, set()).update(
-                    id(v) for v in variables or []
-                )
-                return input_grads, variable_grads
 
             return ys, grad
 
         ys = scaled(*xs)
         if not isinstance(ys, (list, tuple)):
             ys = [ys]
-        flat_outputs = list(tree.flatten(results["outputs"]))
+        outputs = list(tree.flatten(results["outputs"]))
         for i, y in zip(results["floats"], ys):
-            flat_outputs[i] = y
-        return tree.pack_sequence_as(results["outputs"], flat_outputs)
+            _keras.copy_mask(outputs[i], y)
+            outputs[i] = y
+        return results["outputs"], outputs
 
     def _inside(self, point, tape, ys, xs, variables, upstream, scale, scale_in):
         """The backward pass of a point's own call: the incoming gradients
@@ -311,7 +291,7 @@ class Backward:
         """On update steps, writes `[scale_out, measure(upstream)]` and the
         step into the point's state; returns the branch's flag (None when
         no optimizer drives the scales). The statistics run out of line
-        (see `policy.measure`): between updates the untaken branch costs a
+        (see `rule.measure`): between updates the untaken branch costs a
         few skipped ops."""
         step_pass = self.step_pass
         if step_pass is None:
@@ -321,7 +301,7 @@ class Backward:
             vector = tf.concat(
                 [
                     tf.reshape(tf.cast(scale_out, tf.float32), [1]),
-                    policy.measure(upstream, step_pass.underflow_rate),
+                    rule.measure(upstream, step_pass.underflow_rate),
                 ],
                 0,
             )
@@ -343,9 +323,7 @@ def _substitute(args, kwargs, flat, positions, xs):
         for p in position:
             original = flat[p]
             if x is not original:
-                mask = keras_backend.get_keras_mask(original)
-                if mask is not None:
-                    keras_backend.set_keras_mask(x, mask)
+                _keras.copy_mask(original, x)
             flat[p] = x
     return tree.pack_sequence_as((args, kwargs), flat)
 

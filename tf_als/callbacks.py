@@ -16,8 +16,9 @@ import tensorflow as tf
 
 from tf_als.instrument import InstrumentedModel
 from tf_als.optimizer import AdaptiveLossScaleOptimizer
+from tf_als import link
 from tf_als import overview
-from tf_als import policy
+from tf_als import rule
 from tf_als import state
 from tf_als import storm
 
@@ -25,7 +26,7 @@ NonFiniteGuard = storm.NonFiniteGuard  # Defined with the error it raises.
 
 POINT_QUANTITIES = ("scale",) + state.RECORD_FIELDS
 """Per point and update: the per-layer scale, the cumulative scale and the
-`tf_als.policy.GradientStatistics` of the incoming gradient."""
+`tf_als.rule.GradientStatistics` of the incoming gradient."""
 
 GLOBAL_QUANTITIES = ("loss_scale", "skipped_steps")
 """Per update: the global loss scale S and the number of skipped
@@ -196,8 +197,7 @@ class ScaleHistory(keras.callbacks.Callback):
     def _optimizer(self):
         optimizer = getattr(self.model, "optimizer", None)
         if optimizer is None:
-            linked = getattr(self.model, "_tf_als_optimizer", None)
-            optimizer = linked() if linked is not None else None
+            optimizer = link.linked_optimizer(self.model)
         if not isinstance(optimizer, AdaptiveLossScaleOptimizer):
             raise ValueError(
                 f"Model {self.model.name!r} has no "
@@ -355,7 +355,7 @@ def _write_histogram(tag, fractions, step):
     exponent e (the histogram plugin's [left, right, count] tensor)."""
     from tensorboard.plugins.histogram import metadata
 
-    exponents = np.asarray(policy.HISTOGRAM_EXPONENTS, np.float64)
+    exponents = np.asarray(rule.HISTOGRAM_EXPONENTS, np.float64)
     buckets = np.stack(
         [exponents, exponents + 1.0, np.asarray(fractions, np.float64)], axis=1
     )

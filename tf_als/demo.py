@@ -78,19 +78,19 @@ class _StepTimer:
                 self.epoch_times, self.steps, self.skipped = [], 0, 0
 
             def on_epoch_begin(self, epoch, logs=None):
-                self._start = time.perf_counter()
-                self._iterations = self._read_iterations()
+                self._began = time.perf_counter()
+                self._applied_before = self._read_iterations()
                 self._batches = 0
 
             def on_train_batch_end(self, batch, logs=None):
                 self._batches += 1
 
             def on_epoch_end(self, epoch, logs=None):
-                seconds = time.perf_counter() - self._start
+                seconds = time.perf_counter() - self._began
                 if epoch > 0:
                     self.epoch_times.append(seconds)
                     self.steps += self._batches
-                applied = self._read_iterations() - self._iterations
+                applied = self._read_iterations() - self._applied_before
                 self.skipped += self._batches - applied
 
             def _read_iterations(self):
@@ -103,28 +103,15 @@ def train(run, args, data, initial_weights, log_root):
     """Trains one run; returns (model, results dict, ScaleHistory or None)."""
     import keras
 
-    import tf_als
-
     keras.mixed_precision.set_global_policy("float32" if run == "float32" else "mixed_float16")
     keras.utils.set_random_seed(args.seed)
     model = build_model(args.model, data.x_train.shape[1:], data.classes)
     model.set_weights(initial_weights)
-    inner = keras.optimizers.Adam(args.learning_rate)
-    callbacks = [
-        keras.callbacks.TensorBoard(os.path.join(log_root, run)),
-    ]
-    history = None
-    if run == "float32":
-        optimizer = inner
-    elif run == "keras":
-        optimizer = keras.optimizers.LossScaleOptimizer(inner)
-    else:
-        model = tf_als.instrument(model)
-        optimizer = tf_als.AdaptiveLossScaleOptimizer(inner, update_interval=args.update_interval)
-        history = tf_als.callbacks.ScaleHistory(log_dir=os.path.join(log_root, run))
-        callbacks.insert(0, history)
+    model, optimizer, history = _scaling(run, model, args, log_root)
     timer = _StepTimer()
-    callbacks.append(timer)
+    callbacks = [keras.callbacks.TensorBoard(os.path.join(log_root, run)), timer]
+    if history is not None:
+        callbacks.insert(0, history)
     model.compile(
         optimizer=optimizer,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -148,6 +135,24 @@ def train(run, args, data, initial_weights, log_root):
         "skipped_steps": int(timer.skipped),
         "step_seconds": step_time,
     }, history
+
+
+def _scaling(run, model, args, log_root):
+    """(the model to train, its optimizer, a ScaleHistory or None) for run
+    `run`: plain Adam, Keras's loss scaling, or tf_als."""
+    import keras
+
+    import tf_als
+
+    inner = keras.optimizers.Adam(args.learning_rate)
+    if run == "float32":
+        return model, inner, None
+    if run == "keras":
+        return model, keras.optimizers.LossScaleOptimizer(inner), None
+    model = tf_als.instrument(model)
+    optimizer = tf_als.AdaptiveLossScaleOptimizer(inner, update_interval=args.update_interval)
+    history = tf_als.callbacks.ScaleHistory(log_dir=os.path.join(log_root, run))
+    return model, optimizer, history
 
 
 def worst_underflow(run, model, data, args):

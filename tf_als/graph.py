@@ -14,9 +14,11 @@ import dataclasses
 from typing import Optional
 
 import keras
-from keras.src import tree
-from keras.src.models.functional import Functional
-from keras.src.models.sequential import Sequential
+from keras import tree
+
+from tf_als import _keras
+from tf_als._keras import Functional
+from tf_als._keras import Sequential
 
 # Consumer kinds: a layer call, one input position of a nested model's
 # entry, a model output, and a loss a layer adds on its own outputs (activity
@@ -134,7 +136,7 @@ def upstream_points(plan: Plan, call: Call) -> list:
 def is_flattenable(operation) -> bool:
     """True for models whose graph the plan reads instead of calling them."""
     if isinstance(operation, Sequential):
-        return operation._functional is not None
+        return _keras.sequential_graph(operation) is not None
     return (
         isinstance(operation, Functional)
         and type(operation).call is Functional.call
@@ -169,14 +171,14 @@ def empty_plan(model) -> Plan:
 def functional_of(model, argument="model"):
     """The Functional graph of a built Sequential or Functional model."""
     if isinstance(model, Sequential):
-        if model._functional is None:
+        if _keras.sequential_graph(model) is None:
             raise ValueError(
                 f"`{argument}` is a Sequential model that is not built yet "
                 f"({model.name!r}). Build it first: give it a "
                 "`keras.Input(shape)` as first layer, call "
                 "`model.build(input_shape)`, or call it on a batch."
             )
-        return model._functional
+        return _keras.sequential_graph(model)
     if isinstance(model, Functional):
         if type(model).call is not Functional.call:
             raise TypeError(_SUBCLASSED_MESSAGE.format(argument=argument, model=model))
@@ -215,9 +217,9 @@ class _Builder:
         slot_of = {}
         for x, slot in zip(functional.inputs, input_slots):
             slot_of[id(x)] = slot
-        depths = sorted(functional._nodes_by_depth.keys(), reverse=True)
+        depths = sorted(_keras.nodes_by_depth(functional).keys(), reverse=True)
         for depth in depths:
-            for node in functional._nodes_by_depth[depth]:
+            for node in _keras.nodes_by_depth(functional)[depth]:
                 if not node.operation or node.is_input:
                     continue
                 tensors = node.arguments.keras_tensors
@@ -329,7 +331,7 @@ def nested_inputs(functional, inputs):
     """Flattens what a nested Functional model is called with, in the order
     of `functional.inputs` (dicts are matched by input name, as Keras does).
     Works on KerasTensors and on real tensors alike."""
-    struct = functional._inputs_struct
+    struct = _keras.inputs_struct(functional)
     if isinstance(inputs, dict) and not isinstance(struct, dict):
         names = [x.name for x in tree.flatten(struct)]
         if set(names).issubset(inputs):

@@ -2,15 +2,14 @@
 a layer with weights, and `scales(model)` to read them."""
 
 import dataclasses
+import inspect
 import re
 import warnings
 from typing import Optional
 
 import keras
 import tensorflow as tf
-from keras.src import backend as keras_backend
-from keras.src import tree
-from keras.src.models.functional import operation_fn
+from keras import tree
 
 from tf_als import _keras
 from tf_als import backward
@@ -199,8 +198,7 @@ class InstrumentedModel(keras.Model):
         kwargs.setdefault("name", f"{model.name}_instrumented")
         super().__init__(**kwargs)
         # Inputs reach the layers exactly as they reach the original model.
-        self._convert_input_args = False
-        self._allow_non_tensor_positional_args = True
+        _keras.pass_inputs_through(self)
         self.model = model
         self._plan = plan
         self._inner = tuple(enumerate(inner, start=len(plan.point_names)))
@@ -218,7 +216,7 @@ class InstrumentedModel(keras.Model):
         # one by position (names change when a model is rebuilt in the same
         # process; positions follow the plan and do not).
         for index, point in enumerate(self.scaling_points):
-            self._track_trackable(point, name=f"scaling_point_{index}")
+            _keras.track(self, point, f"scaling_point_{index}")
         if not graph.is_subclassed(model):
             functional = graph.functional_of(model)
             if hasattr(functional, "output_names"):
@@ -287,16 +285,13 @@ class InstrumentedModel(keras.Model):
         """`keras.Model.fit`, plus a `tf_als.callbacks.NonFiniteGuard` (unless
         one is given) so that a run whose steps are all skipped stops with a
         `NonFiniteStormError` (see `max_consecutive_skips`)."""
-        position = 5  # fit(x, y, batch_size, epochs, verbose, callbacks, ...)
-        x = args[0] if args else kwargs.get("x")
-        batch_size = args[2] if len(args) > 2 else kwargs.get("batch_size")
-        inputs = _input_batches(x, batch_size)
-        if len(args) > position:
-            args = list(args)
-            args[position] = _with_guard(args[position], inputs)
-        else:
-            kwargs["callbacks"] = _with_guard(kwargs.get("callbacks"), inputs)
-        return super().fit(*args, **kwargs)
+        bound = inspect.signature(keras.Model.fit).bind(self, *args, **kwargs)
+        arguments = dict(bound.arguments)
+        del arguments["self"]
+        arguments.update(arguments.pop("kwargs", {}))
+        inputs = _input_batches(arguments.get("x"), arguments.get("batch_size"))
+        arguments["callbacks"] = _with_guard(arguments.get("callbacks"), inputs)
+        return super().fit(**arguments)
 
     def export(
         self, filepath, format="tf_saved_model", verbose=None, input_signature=None, **kwargs
@@ -414,42 +409,50 @@ def _run(plan, back, inputs, training, mask):
     def value(slot, consumer):
         return edges.get((slot, consumer), values[slot])
 
-    flat_inputs = top._standardize_inputs(inputs)
-    if mask is not None:
-        for x, m in zip(flat_inputs, tree.flatten(mask)):
-            if m is not None:
-                keras_backend.set_keras_mask(x, m)
-    for slot, x in zip(plan.input_slots, flat_inputs):
+    for slot, x in zip(plan.input_slots, _model_inputs(top, inputs, mask)):
         bind(slot, x)
-
     for call in plan.calls:
-        if call.kind == graph.ENTER:
-            flat = [
-                value(slot, (graph.ENTER, call.index, position))
-                for position, (_, slot) in enumerate(call.inputs)
-            ]
-            flat = call.operation._convert_inputs_to_tensors(flat)
-            outputs = call.operation._adjust_input_rank(flat)
-        else:
-            key = (graph.CALL, call.index)
-            filled = {kid: value(slot, key) for kid, slot in call.inputs}
-            args, kwargs = call.node.arguments.fill_in(filled)
-            context_training = training if call.training is None else call.training
-            function = operation_fn(call.operation, training=context_training)
-            if call.point is not None:
-                outputs = back.point(call, function, args, kwargs)
-            else:
-                outputs = back.align(call, tree.flatten(function(*args, **kwargs)))
-        for slot, y in zip(call.outputs, outputs):
+        for slot, y in zip(call.outputs, _run_call(call, value, back, training)):
             bind(slot, y)
 
     outputs = [
         value(slot, (graph.OUTPUT, k)) for k, slot in enumerate(plan.output_slots)
     ]
-    outputs = tree.pack_sequence_as(top._outputs_struct, outputs)
+    outputs = tree.pack_sequence_as(_keras.outputs_struct(top), outputs)
     if isinstance(outputs, (list, tuple)) and len(outputs) == 1:
         return outputs[0]
     return outputs
+
+
+def _model_inputs(top, inputs, mask) -> list:
+    """The model's flat inputs as `Functional.call` standardises them, with
+    the masks given to the call attached."""
+    flat_inputs = _keras.standardize_inputs(top, inputs)
+    if mask is not None:
+        for x, m in zip(flat_inputs, tree.flatten(mask)):
+            if m is not None:
+                _keras.set_mask(x, m)
+    return flat_inputs
+
+
+def _run_call(call, value, back, training) -> list:
+    """The flat outputs of plan call `call`, its inputs read with
+    `value(slot, consumer)`: a nested model's entry, a scaling point, or a
+    weightless call with its outputs aligned."""
+    if call.kind == graph.ENTER:
+        flat = [
+            value(slot, (graph.ENTER, call.index, position))
+            for position, (_, slot) in enumerate(call.inputs)
+        ]
+        return _keras.enter_functional(call.operation, flat)
+    key = (graph.CALL, call.index)
+    filled = {kid: value(slot, key) for kid, slot in call.inputs}
+    args, kwargs = _keras.fill_in(call.node, filled)
+    context_training = training if call.training is None else call.training
+    function = _keras.operation_fn(call.operation, context_training)
+    if call.point is not None:
+        return back.point(call, function, args, kwargs)
+    return back.align(call, tree.flatten(function(*args, **kwargs)))
 
 
 def _inner_points(plan):

@@ -52,13 +52,19 @@ def model_of(optimizer):
     return linked() if linked is not None else None
 
 
+def linked_optimizer(model):
+    """The live optimizer `model` is linked to, or None (no announcement is
+    taken)."""
+    linked = getattr(model, "_tf_als_optimizer", None)
+    return linked() if linked is not None else None
+
+
 def optimizer_of(model, since):
     """The optimizer linked to `model`. A model without one links to the
     optimizer announced after serial `since` (taken when its forward pass
     began, so that an announcement left over from another model's step is
     never taken); `None` when there is neither."""
-    linked = getattr(model, "_tf_als_optimizer", None)
-    linked = linked() if linked is not None else None
+    linked = linked_optimizer(model)
     if linked is not None:
         return linked
     number, reference = _announced

@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from tf_als import backward
 from tf_als import link
-from tf_als import policy
+from tf_als import rule
 from tf_als import storm
 from tf_als import update
 
@@ -435,7 +435,7 @@ def _reachable(tensor):
 
 
 def _check_power_of_two(name, value):
-    limit = 2 ** policy.FLOAT16_MAX_EXPONENT
+    limit = 2 ** rule.FLOAT16_MAX_EXPONENT
     if (
         isinstance(value, bool)
         or not isinstance(value, numbers.Real)

@@ -7,7 +7,7 @@ Pure functions of what `ScaleHistory` records (numpy only, no Keras).
 
 import numpy as np
 
-from tf_als import policy
+from tf_als import rule
 
 WORST_COUNT = 3
 """How many layers the overview names for underflow and for overflow."""
@@ -29,17 +29,17 @@ def subnormal_after_scale(histogram, scale: float) -> float:
 
     Args:
         histogram: the point's `log2_histogram` fractions, one per
-            exponent in `tf_als.policy.HISTOGRAM_EXPONENTS`.
+            exponent in `tf_als.rule.HISTOGRAM_EXPONENTS`.
         scale: the point's scale s_n (a power of two).
 
-    >>> h = np.zeros(len(policy.HISTOGRAM_EXPONENTS))
+    >>> h = np.zeros(len(rule.HISTOGRAM_EXPONENTS))
     >>> h[[0, 10, 30]] = 0.25      # elements at 2**-24, 2**-14, 2**6
     >>> subnormal_after_scale(h, 1.0), subnormal_after_scale(h, 2.0**10)
     (0.25, 0.0)
     """
     shift = int(np.round(np.log2(scale)))
-    exponents = np.asarray(policy.HISTOGRAM_EXPONENTS) + shift
-    below = exponents < np.log2(policy.FLOAT16_MIN_NORMAL)
+    exponents = np.asarray(rule.HISTOGRAM_EXPONENTS) + shift
+    below = exponents < np.log2(rule.FLOAT16_MIN_NORMAL)
     return float(np.sum(np.asarray(histogram, np.float64)[below]))
 
 

@@ -78,24 +78,8 @@ def plot_history(source, path, *, width=1000, height=700, dpi=100) -> ScalePlot:
         2, 1, figsize=(width / dpi, height / dpi), dpi=dpi,
         gridspec_kw={"height_ratios": [3, 2]},
     )
-    image = top.imshow(
-        log2_scales, aspect="auto", interpolation="nearest", cmap="viridis"
-    )
-    top.set_title("log2 per-layer scale at each update")
-    top.set_yticks(range(len(points)))
-    top.set_yticklabels(points, fontsize=max(4, min(8, 400 // max(len(points), 1))))
-    ticks = np.linspace(0, len(steps) - 1, min(len(steps), 10)).astype(int)
-    top.set_xticks(ticks)
-    top.set_xticklabels([str(steps[i]) for i in ticks])
-    top.set_xlabel("optimizer step")
-    figure.colorbar(image, ax=top, label="log2 scale")
-    for row, name in zip(zero_fractions, points):
-        bottom.plot(steps, row, label=name, linewidth=1)
-    bottom.set_title("fraction of exact zeros in each layer's incoming gradient")
-    bottom.set_xlabel("optimizer step")
-    bottom.set_ylabel("zero fraction")
-    if len(points) <= 12:
-        bottom.legend(fontsize=6, ncol=2)
+    _draw_scales(figure, top, points, steps, log2_scales)
+    _draw_zero_fractions(bottom, points, steps, zero_fractions)
     figure.tight_layout()
     figure.savefig(path, dpi=dpi)
     plt.close(figure)
@@ -108,6 +92,32 @@ def plot_history(source, path, *, width=1000, height=700, dpi=100) -> ScalePlot:
         width=width,
         height=height,
     )
+
+
+def _draw_scales(figure, axes, points, steps, log2_scales):
+    """The layers-by-updates heat map of log2 scale."""
+    image = axes.imshow(
+        log2_scales, aspect="auto", interpolation="nearest", cmap="viridis"
+    )
+    axes.set_title("log2 per-layer scale at each update")
+    axes.set_yticks(range(len(points)))
+    axes.set_yticklabels(points, fontsize=max(4, min(8, 400 // max(len(points), 1))))
+    ticks = np.linspace(0, len(steps) - 1, min(len(steps), 10)).astype(int)
+    axes.set_xticks(ticks)
+    axes.set_xticklabels([str(steps[i]) for i in ticks])
+    axes.set_xlabel("optimizer step")
+    figure.colorbar(image, ax=axes, label="log2 scale")
+
+
+def _draw_zero_fractions(axes, points, steps, zero_fractions):
+    """Each layer's zero fraction over the updates (a legend up to 12)."""
+    for row, name in zip(zero_fractions, points):
+        axes.plot(steps, row, label=name, linewidth=1)
+    axes.set_title("fraction of exact zeros in each layer's incoming gradient")
+    axes.set_xlabel("optimizer step")
+    axes.set_ylabel("zero fraction")
+    if len(points) <= 12:
+        axes.legend(fontsize=6, ncol=2)
 
 
 def _series(source):

@@ -9,11 +9,11 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_als import policy
+from tf_als import rule
 
 # Layout of the `record` vector: the cumulative scale, then the fields of
-# `policy.GradientStatistics` in order.
-RECORD_FIELDS = ("cumulative_scale",) + policy.GradientStatistics._fields
+# `rule.GradientStatistics` in order.
+RECORD_FIELDS = ("cumulative_scale",) + rule.GradientStatistics._fields
 
 
 @keras.saving.register_keras_serializable(package="tf_als")
@@ -30,16 +30,16 @@ class ScalingPoint(keras.layers.Layer):
       the global loss scale S) that the layer's input and weight gradients
       carry; then the incoming gradient's `percentile`, `amax`,
       `zero_fraction`, `subnormal_fraction` and `near_max_fraction`
-      (see `tf_als.policy.GradientStatistics`), aggregated over replicas.
-    - `histogram`: float32 vector, `tf_als.policy.log2_histogram` of the
+      (see `tf_als.rule.GradientStatistics`), aggregated over replicas.
+    - `histogram`: float32 vector, `tf_als.rule.log2_histogram` of the
       incoming gradient at the last update (one bin per exponent in
-      `tf_als.policy.HISTOGRAM_EXPONENTS`).
+      `tf_als.rule.HISTOGRAM_EXPONENTS`).
     - `last_update`: int64 scalar, the optimizer step of the last update
       (-1 before the first).
     - `measured`: float32 vector, what the backward pass of the last
       update step measured of the incoming gradient, before any exchange
       between replicas: the scale T_out it carried, then
-      `tf_als.policy.measure`'s vector.
+      `tf_als.rule.measure`'s vector.
     - `measured_step`: int64 scalar, the step of that measurement (-1
       before the first).
 
@@ -68,16 +68,16 @@ class ScalingPoint(keras.layers.Layer):
         )
         self.histogram = self._state(
             "histogram",
-            (len(policy.HISTOGRAM_EXPONENTS),),
+            (len(rule.HISTOGRAM_EXPONENTS),),
             "float32",
-            np.zeros([len(policy.HISTOGRAM_EXPONENTS)], np.float32),
+            np.zeros([len(rule.HISTOGRAM_EXPONENTS)], np.float32),
         )
         self.last_update = self._state("last_update", (), "int64", -1)
         self.measured = self._state(
             "measured",
-            (1 + policy.MEASUREMENT_SIZE,),
+            (1 + rule.MEASUREMENT_SIZE,),
             "float32",
-            np.zeros([1 + policy.MEASUREMENT_SIZE], np.float32),
+            np.zeros([1 + rule.MEASUREMENT_SIZE], np.float32),
         )
         self.measured_step = self._state("measured_step", (), "int64", -1)
         self.built = True

@@ -13,6 +13,7 @@ from typing import Optional
 
 import keras
 
+from tf_als import _keras
 from tf_als import forward
 from tf_als import graph
 from tf_als import link
@@ -28,7 +29,7 @@ class NonFiniteStormError(FloatingPointError):
 def describe(optimizer, skips: int, attempted: Optional[int] = None) -> str:
     """The error message for `optimizer` after `skips` consecutive skips,
     `attempted` batches into training (None: not known)."""
-    variables = list(getattr(optimizer, "_trainable_variables", None) or [])
+    variables = _keras.optimizer_variables(optimizer)
     index, bad, loss_finite = (
         int(v) for v in keras.ops.convert_to_numpy(optimizer.first_non_finite)
     )
@@ -45,53 +46,60 @@ def describe(optimizer, skips: int, attempted: Optional[int] = None) -> str:
         f"loss scale, halved at each, is down to {scale:g}, and training "
         f"stopped {where} instead of skipping forever."
     ]
+    return " ".join(lines + _cause(optimizer, variables, index, bad, loss_finite))
+
+
+def _cause(optimizer, variables, index, bad, loss_finite) -> list:
+    """The sentences saying where the first skipped step turned non-finite
+    and what to try, from the optimizer's record of that step."""
     if loss_finite == 0:
-        lines.append(
+        return [
             "At the first skipped step the loss itself was not finite, so "
             "no loss scale can help: the forward pass overflowed float16, or "
             "the data holds NaN or inf. Run tf_als.diagnose(model, x, y) on "
             "a failing batch: it names the first layer whose float16 output "
             "is not finite (give that layer dtype='float32') or says that "
             "float32 fails too (check the data)."
-        )
-        return " ".join(lines)
+        ]
     if not 0 <= index < len(variables):
-        lines.append(
+        return [
             "Which layer's gradient was first non-finite was not recorded. "
             "Run tf_als.diagnose(model, x, y) on a batch of the failing data "
             "to find it."
-        )
-        return " ".join(lines)
+        ]
     variable = variables[index]
     layer, after = _locate(optimizer, variable)
-    lines.append(
+    return [
         f"At the first skipped step, walking back from the loss, the first "
         f"non-finite weight gradient was in layer {layer!r} (variable "
         f"{variable.path!r}); {bad} of {len(variables)} weight gradients were "
-        "non-finite."
-    )
+        "non-finite.",
+        _advice(layer, after),
+        "If the loss scale legitimately has to fall further, raise "
+        "max_consecutive_skips (None disables this stop).",
+    ]
+
+
+def _advice(layer, after) -> str:
+    """What to check when `layer`'s weight gradient was the first
+    non-finite one, its incoming gradient coming from `after` (None: from
+    the loss)."""
     if after is None:
-        lines.append(
+        return (
             f"The gradient reaching {layer!r} comes straight from the loss: "
             "check the inputs and labels for NaN or inf (e.g. "
             "np.isfinite(x).all()), whether the loss overflows float32, and "
             f"the weights and outputs of {layer!r} for very large values."
         )
-    else:
-        lines.append(
-            f"The values became non-finite in the backward pass of {layer!r} "
-            f"or in the gradient it received from {after}: check those "
-            "layers' weights and activations for very large values (and the "
-            "inputs for NaN or inf if every layer is affected), try a lower "
-            "learning rate or gradient clipping (clipnorm= on the inner "
-            "optimizer), and run tf_als.diagnose(model, x, y) on a failing "
-            "batch."
-        )
-    lines.append(
-        "If the loss scale legitimately has to fall further, raise "
-        "max_consecutive_skips (None disables this stop)."
+    return (
+        f"The values became non-finite in the backward pass of {layer!r} "
+        f"or in the gradient it received from {after}: check those "
+        "layers' weights and activations for very large values (and the "
+        "inputs for NaN or inf if every layer is affected), try a lower "
+        "learning rate or gradient clipping (clipnorm= on the inner "
+        "optimizer), and run tf_als.diagnose(model, x, y) on a failing "
+        "batch."
     )
-    return " ".join(lines)
 
 
 def _locate(optimizer, variable):
@@ -128,7 +136,7 @@ def _layer_of(variable):
 def _plain_after(optimizer, variable):
     """Without a plan: the layer of the next variable in training order, a
     stand-in for the layer after it (None for the last one)."""
-    variables = list(optimizer._trainable_variables)
+    variables = _keras.optimizer_variables(optimizer)
     layer = _layer_of(variable)
     position = next(i for i, v in enumerate(variables) if v is variable)
     for later in variables[position + 1 :]:
@@ -171,7 +179,7 @@ class NonFiniteGuard(keras.callbacks.Callback):
                 "`inputs` must be a callable returning input batches, or "
                 f"None; received {type(inputs).__name__}."
             )
-        self._inputs = inputs
+        self._input_batches = inputs
         self._batches = 0
 
     def on_train_begin(self, logs=None):
@@ -193,10 +201,10 @@ class NonFiniteGuard(keras.callbacks.Callback):
 
     def _forward_hint(self, optimizer):
         loss_finite = int(keras.ops.convert_to_numpy(optimizer.first_non_finite)[2])
-        if self._inputs is None or loss_finite != 0:
+        if self._input_batches is None or loss_finite != 0:
             return None
         model = getattr(self.model, "model", self.model)  # the plain layers
-        culprit = forward.search(model, self._inputs())
+        culprit = forward.search(model, self._input_batches())
         if culprit is None:
             return (
                 "An eager re-run on training batches found every layer output "

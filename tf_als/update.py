@@ -10,11 +10,11 @@ its own copy). The optimizer's `apply` then calls `update_scales`, which
    amax, the mean of the fractions: every replica then decides from the
    same numbers);
 2. walks the points from the outputs back, as the backward pass does, and
-   chooses each point's scale with `tf_als.policy.choose_scale`. A point's
+   chooses each point's scale with `tf_als.rule.choose_scale`. A point's
    measurement was taken under the old scales downstream of it; those may
    just have changed, and the scales are powers of two, so the gradient it
    will receive is its measured gradient times T_out(new) / T_out(old),
-   exactly for amax and the percentile (`tf_als.policy.shift_measurement`);
+   exactly for amax and the percentile (`tf_als.rule.shift_measurement`);
 3. writes the new scales and the (shifted) records.
 
 The new scales serve from the next step on. Between updates nothing here
@@ -24,7 +24,7 @@ runs, and nothing is exchanged.
 import tensorflow as tf
 
 from tf_als import algebra
-from tf_als import policy
+from tf_als import rule
 from tf_als import state as state_module
 
 INF = float("inf")
@@ -41,7 +41,7 @@ def update_scales(model, step, backoff, max_layer_scale, overflow_margin):
     Args:
         model: the `tf_als.InstrumentedModel`.
         step: int64 scalar, the optimizer step that measured.
-        backoff: float32 scalar >= 1, see `tf_als.policy.choose_scale`.
+        backoff: float32 scalar >= 1, see `tf_als.rule.choose_scale`.
         max_layer_scale: float, the ceiling of every scale.
         overflow_margin: float, the headroom below float16's maximum.
 
@@ -86,10 +86,10 @@ def _decide(point, row, reached, t_out, step, knobs):
     constrains nothing upstream) and the assignments."""
     max_layer_scale, overflow_margin, backoff = knobs
     t_out = tf.cast(t_out, tf.float32)
-    shifted = policy.shift_measurement(row[1:], t_out / row[0])
-    statistics, histogram = policy.split_measurement(shifted)
+    shifted = rule.shift_measurement(row[1:], t_out / row[0])
+    statistics, histogram = rule.split_measurement(shifted)
     current = _read(point.scale)
-    scale = policy.choose_scale(
+    scale = rule.choose_scale(
         statistics, current, max_layer_scale, overflow_margin, backoff, t_out
     )
     scale = tf.where(reached, scale, current)
@@ -118,7 +118,7 @@ def replicas_in_sync():
 # incoming scale (the same on every replica), the percentile and amax. The
 # others are fractions of equal shares of the global batch: their mean is
 # the global batch's fraction.
-_MAXIMUM_COLUMNS = 1 + policy.MAXIMUM_ENTRIES
+_MAXIMUM_COLUMNS = 1 + rule.MAXIMUM_ENTRIES
 
 
 def across_replicas(measured):
@@ -132,11 +132,6 @@ def across_replicas(measured):
     context = tf.distribute.get_replica_context()
     gathered = context.all_gather(measured[tf.newaxis], axis=0)
     gathered = tf.reshape(gathered, [replicas] + measured.shape.as_list())
-    maxima = gathered[:, :, :_MAXIMUM_COLUMNS]
-    maxima = tf.where(
-        tf.reduce_any(tf.math.is_nan(maxima), 0),
-        tf.constant(float("nan")),
-        tf.reduce_max(maxima, 0),
-    )
+    maxima = rule.nan_max(gathered[:, :, :_MAXIMUM_COLUMNS], 0)
     means = tf.reduce_mean(gathered[:, :, _MAXIMUM_COLUMNS:], 0)
     return tf.concat([maxima, means], 1)

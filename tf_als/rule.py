@@ -108,10 +108,7 @@ def gradient_statistics(gradients, underflow_rate) -> GradientStatistics:
     >>> float(s.percentile), float(s.amax), round(float(s.zero_fraction), 6)
     (2.0, 4.0, 0.2)
     """
-    if not isinstance(gradients, (list, tuple)):
-        gradients = [gradients]
-    magnitudes = [tf.reshape(tf.abs(tf.cast(g, tf.float32)), [-1]) for g in gradients]
-    magnitudes = magnitudes[0] if len(magnitudes) == 1 else tf.concat(magnitudes, 0)
+    magnitudes = _pooled_magnitudes(gradients)
     statistics, _ = _statistics_of_magnitudes(magnitudes, _as_float64(underflow_rate))
     return GradientStatistics(*statistics)
 
@@ -141,12 +138,7 @@ def _statistics_of_magnitudes(magnitudes, underflow_rate):
             tf.float32,
         )
     )
-    # A max reduction may drop NaN; keep it (inf stays inf).
-    amax = tf.where(
-        tf.reduce_any(tf.math.is_nan(magnitudes)),
-        tf.constant(float("nan")),
-        tf.reduce_max(magnitudes),
-    )
+    amax = nan_max(magnitudes)
     counts = _exponent_counts(magnitudes, is_zero)
     percentile = _percentile(counts, nonzero, underflow_rate)
     size = tf.maximum(size, 1.0)
@@ -159,6 +151,22 @@ def _statistics_of_magnitudes(magnitudes, underflow_rate):
 # magnitudes, which rank above every finite one.
 _LOWEST, _HIGHEST = _pow2.MIN_EXPONENT, _pow2.MAX_EXPONENT
 _NON_FINITE_BIN = _HIGHEST - _LOWEST + 1
+
+
+def nan_max(values, axis=None) -> tf.Tensor:
+    """The maximum of `values` (float32) over `axis`, NaN wherever a NaN is
+    among them: TensorFlow's max reduction may drop NaN. inf stays inf.
+
+    >>> float(nan_max(tf.constant([1.0, float("nan"), 3.0])))
+    nan
+    >>> nan_max(tf.constant([[1.0, 2.0], [float("inf"), 0.0]]), 0).numpy()
+    array([inf,  2.], dtype=float32)
+    """
+    return tf.where(
+        tf.reduce_any(tf.math.is_nan(values), axis),
+        tf.constant(float("nan")),
+        tf.reduce_max(values, axis),
+    )
 
 
 def _exponent_counts(magnitudes, is_zero):
@@ -294,10 +302,7 @@ def log2_histogram(gradients) -> tf.Tensor:
     ...     [4, 24]]
     array([0.25, 0.5 ], dtype=float32)
     """
-    if not isinstance(gradients, (list, tuple)):
-        gradients = [gradients]
-    magnitudes = [tf.reshape(tf.abs(tf.cast(g, tf.float32)), [-1]) for g in gradients]
-    magnitudes = magnitudes[0] if len(magnitudes) == 1 else tf.concat(magnitudes, 0)
+    magnitudes = _pooled_magnitudes(gradients)
     size = tf.maximum(tf.cast(tf.size(magnitudes), tf.float32), 1.0)
     return _histogram(_exponent_counts(magnitudes, tf.equal(magnitudes, 0.0)), size)
 
@@ -394,11 +399,18 @@ _MEASURE_FUNCTIONS = {}
 
 @tf.function(autograph=False, experimental_attributes={"_noinline": True})
 def _measure(gradients, underflow_rate):
-    magnitudes = [tf.abs(tf.cast(g, tf.float32)) for g in gradients]
-    if len(magnitudes) > 1:
-        magnitudes = [tf.concat(magnitudes, 0)]
-    statistics, histogram = _statistics_of_magnitudes(magnitudes[0], underflow_rate)
+    magnitudes = _pooled_magnitudes(gradients)
+    statistics, histogram = _statistics_of_magnitudes(magnitudes, underflow_rate)
     return tf.concat([tf.stack(statistics), histogram], 0)
+
+
+def _pooled_magnitudes(gradients):
+    """|g| of every element of `gradients` (a tensor or a list of them, any
+    shapes), in float32, as one flat vector."""
+    if not isinstance(gradients, (list, tuple)):
+        gradients = [gradients]
+    magnitudes = [tf.reshape(tf.abs(tf.cast(g, tf.float32)), [-1]) for g in gradients]
+    return magnitudes[0] if len(magnitudes) == 1 else tf.concat(magnitudes, 0)
 
 
 def _as_float64(value):

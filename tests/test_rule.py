@@ -1,4 +1,4 @@
-"""Tests of `tf_als.policy` and `tf_als._pow2`: the pure rule, on crafted
+"""Tests of `tf_als.rule` and `tf_als._pow2`: the pure rule, on crafted
 tensors, with exact expected values derived by hand.
 
 Every check runs through the `run` fixture in three named modes: eager,
@@ -20,7 +20,8 @@ import pytest
 import tensorflow as tf
 
 from tf_als import _pow2
-from tf_als import policy
+from tf_als import rule
+from tests.modes import MODES, compiled
 
 INF = float("inf")
 NAN = float("nan")
@@ -28,23 +29,15 @@ F16_MAX = 65504.0
 F16_MIN_NORMAL = 2.0**-14
 F16_MIN_SUBNORMAL = 2.0**-24
 
-MODES = ("eager", "tf_function", "xla")
-
-
 @pytest.fixture(params=MODES)
 def run(request):
     """`run(fn, *tensors)` calls `fn` in the mode of the test case and returns
     its outputs as numpy values (structure kept)."""
-    mode = request.param
 
     def run(fn, *args):
-        # autograph=False: the policy has no tensor-dependent Python control
+        # autograph=False: the rule has no tensor-dependent Python control
         # flow, and converting tfp's percentile costs time.
-        if mode == "tf_function":
-            fn = tf.function(fn, autograph=False)
-        elif mode == "xla":
-            fn = tf.function(fn, jit_compile=True, autograph=False)
-        outputs = fn(*args)
+        outputs = compiled(fn, request.param, autograph=False)(*args)
         return tf.nest.map_structure(lambda t: t.numpy(), outputs)
 
     return run
@@ -71,7 +64,7 @@ def power_of_two_below(value):
 def assert_statistics(stats, percentile, amax, zero, subnormal, near_max, what=""):
     """`percentile` is the exact quantile; the statistic must equal it
     rounded down to a power of two."""
-    assert isinstance(stats, policy.GradientStatistics)
+    assert isinstance(stats, rule.GradientStatistics)
     expected = dict(
         percentile=power_of_two_below(percentile),
         amax=amax,
@@ -181,14 +174,14 @@ def test_pow2_accepts_int64_exponents(run):
 def _statistics_at_rates(run, gradients, rates):
     """gradient_statistics of `gradients` at each rate, in one traced call."""
     return run(
-        lambda g: [policy.gradient_statistics(g, rate) for rate in rates],
+        lambda g: [rule.gradient_statistics(g, rate) for rate in rates],
         gradients,
     )
 
 
 def test_statistics_all_zero(run):
     outputs = run(
-        lambda a, b: [policy.gradient_statistics(g, 0.01) for g in (a, b)],
+        lambda a, b: [rule.gradient_statistics(g, 0.01) for g in (a, b)],
         tf.zeros([4, 2], tf.float16),
         tf.zeros([8], tf.float32),
     )
@@ -333,7 +326,7 @@ def test_statistics_percentile_index_just_below_an_integer(run):
 def test_statistics_underflow_rate_as_a_tensor(run):
     # MIXED at rate 0.5: floor(0.5 * 4) = 2 -> 3 (see MIXED_PERCENTILES).
     stats = run(
-        lambda g, rate: policy.gradient_statistics(g, rate),
+        lambda g, rate: rule.gradient_statistics(g, rate),
         f32(MIXED),
         tf.constant(0.5, tf.float32),
     )
@@ -344,7 +337,7 @@ def _amax_of_each(run, rows):
     """amax of each row, as float16 and as float32, in one traced call."""
     tensors = [tf.constant(v, d) for v in rows for d in (tf.float16, tf.float32)]
     outputs = run(
-        lambda gs: [policy.gradient_statistics(g, 0.01).amax for g in gs], tensors
+        lambda gs: [rule.gradient_statistics(g, 0.01).amax for g in gs], tensors
     )
     return [(t.dtype.name, o) for t, o in zip(tensors, outputs)]
 
@@ -384,8 +377,8 @@ def test_statistics_pools_a_list_of_dtypes(run):
 
     def fn(x, y):
         # Both orders, and a tuple as well as a list.
-        return [policy.gradient_statistics([x, y], r) for r in rates] + [
-            policy.gradient_statistics((y, x), r) for r in rates
+        return [rule.gradient_statistics([x, y], r) for r in rates] + [
+            rule.gradient_statistics((y, x), r) for r in rates
         ]
 
     outputs = run(fn, f16(POOL_F16), f32(POOL_F32))
@@ -410,7 +403,7 @@ def test_statistics_single_element(run):
 # choose_scale
 # --------------------------------------------------------------------------
 #
-# Rule (policy module docstring): with a = amax * backoff,
+# Rule (rule module docstring): with a = amax * backoff,
 # k_cap = largest k with a * 2**k * margin <= 65504;
 # s = 2**clip(k_cap, -log2(inherited), log2(max_layer_scale));
 # s = current if amax == 0 or amax is not finite.
@@ -419,7 +412,7 @@ def test_statistics_single_element(run):
 
 def _stats_like(amax):
     zero = tf.zeros_like(amax)
-    return policy.GradientStatistics(zero, amax, zero, zero, zero)
+    return rule.GradientStatistics(zero, amax, zero, zero, zero)
 
 
 def _choose_table(run, rows):
@@ -430,7 +423,7 @@ def _choose_table(run, rows):
 
     def fn(amaxes, currents):
         return [
-            policy.choose_scale(
+            rule.choose_scale(
                 _stats_like(amax),
                 current,
                 row.get("max_layer_scale", 2.0**15),
@@ -581,7 +574,7 @@ def test_choose_scale_accepts_tensor_knobs(run):
     # amax 2**-10, margin 2**12, ceiling 2**15 -> 2**13 (as above); with
     # ceiling 2**10 -> 2**10.
     def fn(amax, current, ceiling, margin):
-        return policy.choose_scale(_stats_like(amax), current, ceiling, margin)
+        return rule.choose_scale(_stats_like(amax), current, ceiling, margin)
 
     args = [tf.constant(v, tf.float32) for v in (2.0**-10, 1.0, 2.0**15, 2.0**12)]
     assert_exact(run(fn, *args), 2.0**13)
@@ -619,8 +612,8 @@ def test_choose_scale_from_gradients(run):
 
     def fn(gradients):
         return [
-            policy.choose_scale(
-                policy.gradient_statistics(g, 0.01), 2.0**9, 2.0**15, 2.0**12
+            rule.choose_scale(
+                rule.gradient_statistics(g, 0.01), 2.0**9, 2.0**15, 2.0**12
             )
             for g in gradients
         ]
@@ -650,7 +643,7 @@ def test_lifts_percentile(run):
 
     def fn(qs, scales):
         return [
-            policy.lifts_percentile(_stats_like(tf.zeros([]))._replace(percentile=q), s)
+            rule.lifts_percentile(_stats_like(tf.zeros([]))._replace(percentile=q), s)
             for q, s in zip(qs, scales)
         ]
 
@@ -667,9 +660,9 @@ def test_lifts_percentile_reports_what_the_cap_cannot_lift(run):
     def fn(gradients):
         outputs = []
         for g in gradients:
-            stats = policy.gradient_statistics(g, 0.0)
-            scale = policy.choose_scale(stats, 1.0, 2.0**15, 2.0**12)
-            outputs.append((scale, policy.lifts_percentile(stats, scale)))
+            stats = rule.gradient_statistics(g, 0.0)
+            scale = rule.choose_scale(stats, 1.0, 2.0**15, 2.0**12)
+            outputs.append((scale, rule.lifts_percentile(stats, scale)))
         return outputs
 
     [(scale_a, lifted_a), (scale_b, lifted_b)] = run(
@@ -689,7 +682,7 @@ def test_lifts_percentile_reports_what_the_cap_cannot_lift(run):
 # --------------------------------------------------------------------------
 
 
-FIELDS = len(policy.GradientStatistics._fields)
+FIELDS = len(rule.GradientStatistics._fields)
 
 
 def _stats_vector(stats):
@@ -701,11 +694,11 @@ def test_measure(run):
     # 2-D tensors (measure flattens); rate 0.5 -> percentile 1.
     a = f16(POOL_F16)
     b = f32(np.reshape(POOL_F32, [2, 2]))
-    out = run(lambda x, y: policy.measure([x, y], 0.5), a, b)
-    assert out.shape == (policy.MEASUREMENT_SIZE,)
+    out = run(lambda x, y: rule.measure([x, y], 0.5), a, b)
+    assert out.shape == (rule.MEASUREMENT_SIZE,)
     assert_exact(out[:FIELDS], [1.0, 70000.0, 0.25, 0.25, 0.125])
-    assert_exact(out[:FIELDS], _stats_vector(policy.gradient_statistics([a, b], 0.5)))
-    assert_exact(out[FIELDS:], policy.log2_histogram([a, b]).numpy())
+    assert_exact(out[:FIELDS], _stats_vector(rule.gradient_statistics([a, b], 0.5)))
+    assert_exact(out[FIELDS:], rule.log2_histogram([a, b]).numpy())
 
 
 def test_measure_equals_gradient_statistics(run):
@@ -719,15 +712,15 @@ def test_measure_equals_gradient_statistics(run):
 
     def fn(gradients):
         return [
-            policy.measure([g], rate)
+            rule.measure([g], rate)
             for g, (_, _, rate) in zip(gradients, cases)
         ]
 
     outputs = run(fn, [g for _, g, _ in cases])
     for (what, g, rate), out in zip(cases, outputs):
-        assert_exact(out[FIELDS:], policy.log2_histogram(g).numpy(), what=what)
+        assert_exact(out[FIELDS:], rule.log2_histogram(g).numpy(), what=what)
         out = out[:FIELDS]
-        expected = _stats_vector(policy.gradient_statistics(g, rate))
+        expected = _stats_vector(rule.gradient_statistics(g, rate))
         if what == "nan":
             # The percentile of a NaN gradient is unspecified (sorting NaN
             # is); the other fields are not.
@@ -740,8 +733,8 @@ def test_measure_then_choose_with_knobs(run):
     # margin 2**4: amax 3 -> 3 * 2**(k+4) <= 65504 -> k = 10, at the
     # ceiling -> 2**10.
     def fn(g):
-        stats, _ = policy.split_measurement(policy.measure([g], 0.01))
-        return policy.choose_scale(
+        stats, _ = rule.split_measurement(rule.measure([g], 0.01))
+        return rule.choose_scale(
             stats,
             tf.constant(8.0),
             tf.constant(2.0**10),
@@ -764,20 +757,20 @@ def test_log2_histogram(run):
     # 65504 and 2**20 at or above the highest (15), so they land in the
     # end bins; 0, inf and NaN are in no bin. Fractions of all 10 elements.
     g = f32([0.0, 1.0, 1.5, 2.0**-20, 2.0**-30, 65504.0, 2.0**20, INF, NAN, -0.75])
-    expected = np.zeros([len(policy.HISTOGRAM_EXPONENTS)], np.float32)
+    expected = np.zeros([len(rule.HISTOGRAM_EXPONENTS)], np.float32)
     for exponent, fraction in [(0, 0.2), (-1, 0.1), (-20, 0.1), (-24, 0.1), (15, 0.2)]:
-        expected[policy.HISTOGRAM_EXPONENTS.index(exponent)] = fraction
-    assert_exact(run(policy.log2_histogram, g), expected)
+        expected[rule.HISTOGRAM_EXPONENTS.index(exponent)] = fraction
+    assert_exact(run(rule.log2_histogram, g), expected)
 
 
 def test_log2_histogram_of_float16_subnormals(run):
     # Every float16 subnormal magnitude k * 2**-24 has exponent
     # floor(log2 k) - 24: 2**-24 -> -24, 3 * 2**-24 -> -23, 2**-15 -> -15.
     g = f16([2.0**-24, 3 * 2.0**-24, 2.0**-15, 0.0])
-    expected = np.zeros([len(policy.HISTOGRAM_EXPONENTS)], np.float32)
+    expected = np.zeros([len(rule.HISTOGRAM_EXPONENTS)], np.float32)
     for exponent in (-24, -23, -15):
-        expected[policy.HISTOGRAM_EXPONENTS.index(exponent)] = 0.25
-    assert_exact(run(policy.log2_histogram, g), expected)
+        expected[rule.HISTOGRAM_EXPONENTS.index(exponent)] = 0.25
+    assert_exact(run(rule.log2_histogram, g), expected)
 
 
 # --------------------------------------------------------------------------
@@ -803,7 +796,7 @@ def test_percentile_is_the_exact_quantile_rounded_down(run, rate):
     values = np.exp2(rng.normal(-6.0, 6.0, size=(300, 257))).astype(np.float16)
     values[rng.random(values.shape) < 0.33] = 0.0
     values *= rng.choice([-1.0, 1.0], size=values.shape).astype(np.float16)
-    stats = run(lambda g: policy.gradient_statistics(g, rate), tf.constant(values))
+    stats = run(lambda g: rule.gradient_statistics(g, rate), tf.constant(values))
     assert_exact(stats.percentile, power_of_two_below(_exact_quantile(values, rate)))
 
 
@@ -824,7 +817,7 @@ def test_percentile_on_real_gradients(mixed):
         g = tf.convert_to_tensor(g)
         if not np.any(np.asarray(g)):
             continue
-        stats = policy.gradient_statistics(g, 0.01)
+        stats = rule.gradient_statistics(g, 0.01)
         expected = power_of_two_below(_exact_quantile(np.asarray(g), 0.01))
         assert float(stats.percentile) == expected, variable.path
         checked += 1
@@ -850,8 +843,8 @@ def test_shift_measurement_equals_measuring_the_scaled_gradient(run, exponent):
     factor = tf.constant(2.0**exponent)
     shifted, direct = run(
         lambda g, f: (
-            policy.shift_measurement(policy.measure([g], 0.01), f),
-            policy.measure([g * f], 0.01),
+            rule.shift_measurement(rule.measure([g], 0.01), f),
+            rule.measure([g * f], 0.01),
         ),
         g,
         factor,
@@ -865,18 +858,18 @@ def test_shift_measurement_keeps_non_finite_and_end_bins(run):
     g = f32([INF, 1.0, 0.0, 2.0**-24])
     measured, up, same = run(
         lambda g: (
-            policy.measure([g], 0.0),
-            policy.shift_measurement(policy.measure([g], 0.0), tf.constant(2.0**20)),
-            policy.shift_measurement(policy.measure([g], 0.0), tf.constant(1.0)),
+            rule.measure([g], 0.0),
+            rule.shift_measurement(rule.measure([g], 0.0), tf.constant(2.0**20)),
+            rule.shift_measurement(rule.measure([g], 0.0), tf.constant(1.0)),
         ),
         g,
     )
     assert_exact(same, measured)
-    fields = len(policy.GradientStatistics._fields)
+    fields = len(rule.GradientStatistics._fields)
     assert up[1] == INF and up[4] == measured[4] == 0.25
     histogram = up[fields:]
     # 1 * 2**20 lands in the top bin (2**15 and above), 2**-24 * 2**20 at
     # 2**-4: 1/4 of the elements each.
     assert histogram[-1] == 0.25
-    assert histogram[policy.HISTOGRAM_EXPONENTS.index(-4)] == 0.25
+    assert histogram[rule.HISTOGRAM_EXPONENTS.index(-4)] == 0.25
     assert up[3] == 0.0  # nothing left below 2**-14
