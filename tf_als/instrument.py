@@ -285,7 +285,7 @@ class InstrumentedModel(keras.Model):
         """`keras.Model.fit`, plus a `tf_als.callbacks.NonFiniteGuard` (unless
         one is given) so that a run whose steps are all skipped stops with a
         `NonFiniteStormError` (see `max_consecutive_skips`)."""
-        bound = inspect.signature(keras.Model.fit).bind(self, *args, **kwargs)
+        bound = _FIT_SIGNATURE.bind(self, *args, **kwargs)
         arguments = dict(bound.arguments)
         del arguments["self"]
         arguments.update(arguments.pop("kwargs", {}))
@@ -357,6 +357,11 @@ class InstrumentedModel(keras.Model):
             config.pop("model"), custom_objects=custom_objects
         )
         return cls(model, **config)
+
+
+# The arguments of Keras's `Model.fit`, read once (InstrumentedModel.fit
+# finds `callbacks` by name, wherever it was given).
+_FIT_SIGNATURE = inspect.signature(keras.Model.fit)
 
 
 def _step_pass(optimizer):
