@@ -65,7 +65,9 @@ SETTINGS = {
     ("gpt2", "off"): (None, 20, 3),
     ("gpt2", "on"): (None, 20, 3),
 }
-MIRRORED = ("cnn", "gpt2")
+# GPT-2 is left out: under MirroredStrategy on this machine Keras's own
+# LossScaleOptimizer writes inf into its weights (benchmarks/mirrored_gpt2.py).
+MIRRORED = ("cnn",)
 VARIANTS = ("keras", "tf_als", "tf_als_1")
 
 
