@@ -14,7 +14,6 @@ from keras.src.models import functional as _functional
 # model built from `keras.Input`s; it is not exported (`keras.Model(inputs,
 # outputs)` returns one).
 Functional = _functional.Functional
-Sequential = keras.Sequential
 
 
 def get_mask(x):

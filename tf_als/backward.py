@@ -220,8 +220,8 @@ class Backward:
         float outputs (at positions `floats` of the flat outputs), `xs`
         the float inputs, `variables` those the call read.
 
-        Returns (the outputs' structure, the flat outputs, float ones
-        replaced by their identities).
+        Returns `(structure, flat)`: the structure of the outputs, and the
+        flat outputs with the float ones replaced by their identities.
         """
         flat = tree.flatten((args, kwargs))
         positions, xs = _float_tensors(flat)

@@ -18,7 +18,6 @@ from keras import tree
 
 from tf_als import _keras
 from tf_als._keras import Functional
-from tf_als._keras import Sequential
 
 # Consumer kinds: a layer call, one input position of a nested model's
 # entry, a model output, and a loss a layer adds on its own outputs (activity
@@ -135,7 +134,7 @@ def upstream_points(plan: Plan, call: Call) -> list:
 
 def is_flattenable(operation) -> bool:
     """True for models whose graph the plan reads instead of calling them."""
-    if isinstance(operation, Sequential):
+    if isinstance(operation, keras.Sequential):
         return _keras.sequential_graph(operation) is not None
     return (
         isinstance(operation, Functional)
@@ -148,7 +147,7 @@ def is_subclassed(model) -> bool:
     neither Sequential nor a Functional model with Keras's `call`."""
     return (
         isinstance(model, keras.Model)
-        and not isinstance(model, Sequential)
+        and not isinstance(model, keras.Sequential)
         and not (isinstance(model, Functional) and type(model).call is Functional.call)
     )
 
@@ -170,7 +169,7 @@ def empty_plan(model) -> Plan:
 
 def functional_of(model, argument="model"):
     """The Functional graph of a built Sequential or Functional model."""
-    if isinstance(model, Sequential):
+    if isinstance(model, keras.Sequential):
         if _keras.sequential_graph(model) is None:
             raise ValueError(
                 f"`{argument}` is a Sequential model that is not built yet "
@@ -217,9 +216,9 @@ class _Builder:
         slot_of = {}
         for x, slot in zip(functional.inputs, input_slots):
             slot_of[id(x)] = slot
-        depths = sorted(_keras.nodes_by_depth(functional).keys(), reverse=True)
-        for depth in depths:
-            for node in _keras.nodes_by_depth(functional)[depth]:
+        by_depth = _keras.nodes_by_depth(functional)
+        for depth in sorted(by_depth, reverse=True):
+            for node in by_depth[depth]:
                 if not node.operation or node.is_input:
                     continue
                 tensors = node.arguments.keras_tensors

@@ -288,7 +288,6 @@ class InstrumentedModel(keras.Model):
         bound = _FIT_SIGNATURE.bind(self, *args, **kwargs)
         arguments = dict(bound.arguments)
         del arguments["self"]
-        arguments.update(arguments.pop("kwargs", {}))
         inputs = _input_batches(arguments.get("x"), arguments.get("batch_size"))
         arguments["callbacks"] = _with_guard(arguments.get("callbacks"), inputs)
         return super().fit(**arguments)
