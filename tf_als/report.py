@@ -18,7 +18,7 @@ import tensorflow as tf
 from tf_als import _keras
 from tf_als import composite
 from tf_als import forward
-from tf_als import graph
+from tf_als import locate
 from tf_als.instrument import InstrumentedModel
 from tf_als.optimizer import AdaptiveLossScaleOptimizer
 
@@ -375,39 +375,32 @@ def _forward_message(model, x, training):
 
 
 def _locate_non_finite(probe, grads):
-    """Walks the scaling points from the loss towards the inputs and names
-    the first whose incoming gradient is finite but whose own backward pass
-    produced non-finite values (in its weight gradients, or in the gradient
-    it passes on to the scaling points that feed it)."""
+    """Names the first scaling point, walking from the loss, whose incoming
+    gradient is finite but whose own backward pass produced non-finite
+    values (`tf_als.locate`), from a probe pass that recorded each point's
+    incoming amax."""
     plan = probe.plan
     index = {id(v): i for i, v in enumerate(probe.model.trainable_variables)}
     incoming = {
-        call_index: np.isfinite(point.read()["amax"])
+        call_index: bool(np.isfinite(point.read()["amax"]))
         for point, call_index in zip(probe.scaling_points, plan.point_calls)
     }
-    names = {
-        call_index: point.point_name
-        for point, call_index in zip(probe.scaling_points, plan.point_calls)
-    }
-    for call_index in reversed(plan.point_calls):
-        if not incoming[call_index]:
-            continue
-        layer = plan.calls[call_index].operation
-        weights = [grads[index[id(v)]] for v in layer.trainable_weights if id(v) in index]
-        weights_finite = all(g is None or np.all(np.isfinite(g)) for g in weights)
-        feeders = graph.upstream_points(plan, plan.calls[call_index])
-        passes_non_finite = any(not incoming[f] for f in feeders)
-        if not weights_finite or passes_non_finite:
-            what = "weight gradients" if not weights_finite else "input gradient"
-            return (
-                f"Gradients turn non-finite in layer {layer.name!r} (scaling "
-                f"point {names[call_index]!r}): the gradient reaching it is finite, "
-                f"its {what} is not. Check that layer's weights and inputs "
-                "for very large values; dynamic loss scaling lowers the "
-                "global scale until it fits."
-            )
+
+    def weights_finite(call_index):
+        weights = plan.calls[call_index].operation.trainable_weights
+        return _finite([grads[index[id(v)]] for v in weights if id(v) in index])
+
+    culprit = locate.first_non_finite(plan, weights_finite, incoming)
+    if culprit is not None:
+        return (
+            f"Gradients turn non-finite in layer {culprit.layer!r} (scaling "
+            f"point {culprit.point!r}): the gradient reaching it is finite, "
+            f"its {culprit.what} is not. Check that layer's weights and inputs "
+            "for very large values; dynamic loss scaling lowers the "
+            "global scale until it fits."
+        )
     if incoming:
-        last = names[plan.point_calls[-1]]
+        last = plan.point_names[-1]
         return (
             f"Gradients are non-finite before the first scaling point: the "
             f"gradient reaching {last!r} (closest to the loss) already is. "

@@ -15,8 +15,8 @@ import keras
 
 from tf_als import _keras
 from tf_als import forward
-from tf_als import graph
 from tf_als import link
+from tf_als import locate
 
 
 class NonFiniteStormError(FloatingPointError):
@@ -110,22 +110,20 @@ def _locate(optimizer, variable):
     # Only an instrumented model is linked, and it has a plan (read by
     # attribute: importing `tf_als.instrument` here would close a cycle).
     plan = getattr(model, "plan", None)
-    owners = [] if plan is None else [
-        index
-        for index in plan.point_calls
-        if any(w is variable for w in plan.calls[index].operation.trainable_weights)
-    ]
-    if not owners:
+    culprit = None
+    if plan is not None:
+        # The record names one variable: the point to blame is the call
+        # owning it closest to the loss (a shared layer has several).
+        culprit = locate.first_non_finite(
+            plan,
+            lambda index: not any(
+                w is variable for w in plan.calls[index].operation.trainable_weights
+            ),
+        )
+    if culprit is None:
         return _layer_of(variable), _plain_after(optimizer, variable)
-    names = dict(zip(plan.point_calls, plan.point_names))
-    owner = owners[-1]  # A shared layer: its call closest to the loss.
-    receivers = [
-        names[index]
-        for index in plan.point_calls
-        if owner in graph.upstream_points(plan, plan.calls[index])
-    ]
-    after = ", ".join(repr(n) for n in receivers) if receivers else None
-    return names[owner], after
+    after = ", ".join(repr(n) for n in culprit.receivers) or None
+    return culprit.point, after
 
 
 def _layer_of(variable):
