@@ -98,10 +98,21 @@ def test_forward_outputs_are_bitwise_equal(mixed, case, training):
     np.testing.assert_array_equal(got, expected)
 
 
-@pytest.mark.parametrize(
-    "case", list(_case_params(slow=("llama", "gemma", "bert", "resnet_backbone", "vit")))
-)
-@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+def _fit_params():
+    """Every case without XLA, in the default suite but for the heavy
+    KerasHub backbones; with XLA (about twice as long to compile), in the
+    slow suite."""
+    heavy = ("llama", "gemma", "bert", "resnet_backbone", "vit")
+    for jit_compile, mode in ((False, "graph"), (True, "xla")):
+        for case in COMPOSITE_CASES:
+            slow = jit_compile or case.name in heavy
+            yield pytest.param(
+                case, jit_compile, id=f"{mode}-{case.name}",
+                marks=[pytest.mark.slow] if slow else [],
+            )
+
+
+@pytest.mark.parametrize("case, jit_compile", list(_fit_params()))
 def test_fit_measures_every_inner_point(mixed, case, jit_compile):
     """Two `fit` steps with scale updates on every step: the loss stays
     finite, and every point, inner ones included, recorded an update (its
@@ -119,7 +130,12 @@ def test_fit_measures_every_inner_point(mixed, case, jit_compile):
     "case",
     list(
         _case_params(
-            slow=("llama_classifier", "bert", "resnet_backbone", "vit"),
+            # One KerasHub task and the composite layers stay in the
+            # default suite.
+            slow=(
+                "llama_classifier", "bert", "resnet_backbone", "vit",
+                "subclassed", "transformer",
+            ),
             cases=architectures.SAVE_CASES,
         )
     ),

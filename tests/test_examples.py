@@ -130,6 +130,7 @@ def test_custom_training_loop():
     assert result["steps"] + result["skipped_steps"] == args.epochs * batches
 
 
+@pytest.mark.slow  # ~45 s: the residual CNN example's quick run
 def test_resnet_cnn():
     example = load("resnet_cnn")
     result = example.main(["--quick", "--verbose", "0"])
