@@ -7,6 +7,7 @@ duration (the float32 variables are the master weights of mixed precision
 anyway), so no copy is built and no `get_config` round trip is needed.
 """
 
+import contextlib
 import dataclasses
 import math
 from typing import Optional
@@ -271,14 +272,30 @@ def _gradients(model, variables, x, y, loss_fn, training, scale=1.0, optimizer=N
         grads = tape.gradient(scaled, variables)
         return [None if g is None else tf.convert_to_tensor(g) for g in grads], value
 
-    grads, value = compute(x, y)
+    with _quiet_retracing():
+        grads, value = compute(x, y)
     if optimizer is not None:
         # That pass measured; choose the per-layer scales from it, as the
         # optimizer's apply would, and take the gradients on them.
         optimizer._update_scales(model)
-        grads, value = compute(x, y)
+        with _quiet_retracing():
+            grads, value = compute(x, y)
     grads = [None if g is None else np.asarray(g, np.float64) / scale for g in grads]
     return grads, float(value)
+
+
+@contextlib.contextmanager
+def _quiet_retracing():
+    """Silences TensorFlow's warning about frequent retracing: every
+    `diagnose` call traces functions of its own, once each, and a loop over
+    batches would otherwise warn from the fifth call on."""
+    logger = tf.get_logger()
+    level = logger.level
+    logger.setLevel("ERROR")
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _finite(grads):
