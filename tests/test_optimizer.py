@@ -369,8 +369,12 @@ def _state(optimizer):
 
 def _parent_variables(optimizer):
     """The variables Keras's LossScaleOptimizer also has, in its order
-    (tf_als adds its skip counter and record)."""
-    extra = {id(optimizer.consecutive_skips), id(optimizer.first_non_finite)}
+    (tf_als adds its skip counter, the loss flag and the record)."""
+    extra = {
+        id(optimizer.consecutive_skips),
+        id(optimizer.loss_finite),
+        id(optimizer.first_non_finite),
+    }
     return [v for v in optimizer.variables if id(v) not in extra]
 
 

@@ -25,6 +25,7 @@ from keras import tree
 
 from tf_als import _keras
 from tf_als import algebra
+from tf_als import config as config_module
 from tf_als import hooks
 from tf_als import rule
 
@@ -36,12 +37,12 @@ class Pass(typing.NamedTuple):
         step: int64 scalar, the optimizer step.
         measure: bool scalar, whether this step is an update step (the
             points measure their incoming gradients).
-        underflow_rate: float, the quantile the points measure.
+        config: the optimizer's `tf_als.config.ScalingConfig`.
     """
 
     step: tf.Tensor
     measure: tf.Tensor
-    underflow_rate: float
+    config: config_module.ScalingConfig
 
 
 class Backward:
@@ -140,7 +141,7 @@ class Backward:
             outputs[i] = y
         return outputs
 
-    def point(self, call, function, args, kwargs):
+    def wrap_call(self, call, function, args, kwargs):
         """Calls `function(*args, **kwargs)` (the layer) as a scaling point.
 
         Forward: the layer's outputs, untouched. Backward: the output
@@ -171,12 +172,12 @@ class Backward:
         _, outputs = self._scaled_call(call.point, function, args, kwargs, backward)
         return outputs
 
-    def inner_point_of(self, parent, layer):
+    def inner_point_index(self, parent, layer):
         """The inner point a call of `layer` is when made inside point
         `parent`'s call, or None."""
         return self._inner.get((parent, id(layer)))
 
-    def inner_point(self, point, function, args, kwargs):
+    def wrap_inner_call(self, point, function, args, kwargs):
         """Calls `function(*args, **kwargs)` (a hooked layer's own `call`)
         as inner scaling point `point`.
 
@@ -301,7 +302,7 @@ class Backward:
             vector = tf.concat(
                 [
                     tf.reshape(tf.cast(scale_out, tf.float32), [1]),
-                    rule.measure(upstream, step_pass.underflow_rate),
+                    rule.measure(upstream, step_pass.config.underflow_rate),
                 ],
                 0,
             )

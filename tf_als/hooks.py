@@ -50,7 +50,7 @@ def _hooked_call(layer, *args, **kwargs):
     stack = _stack()
     if stack:
         backward, parent = stack[-1]
-        point = backward.inner_point_of(parent, layer)
+        point = backward.inner_point_index(parent, layer)
         if point is not None:
-            return backward.inner_point(point, function, args, kwargs)
+            return backward.wrap_inner_call(point, function, args, kwargs)
     return function(*args, **kwargs)

@@ -263,7 +263,7 @@ class InstrumentedModel(keras.Model):
             # (casts, masks carried by the inputs, `training`), and its
             # weighted sublayers are the points inside.
             kwargs = {} if training is None else {"training": training}
-            return back.inner_point(0, self.model, (inputs,), kwargs)
+            return back.wrap_inner_call(0, self.model, (inputs,), kwargs)
         return _run(self._plan, back, inputs, training, mask)
 
     def compile(self, optimizer="rmsprop", *args, **kwargs):
@@ -455,7 +455,7 @@ def _run_call(call, value, back, training) -> list:
     context_training = training if call.training is None else call.training
     function = _keras.operation_fn(call.operation, context_training)
     if call.point is not None:
-        return back.point(call, function, args, kwargs)
+        return back.wrap_call(call, function, args, kwargs)
     return back.align(call, tree.flatten(function(*args, **kwargs)))
 
 

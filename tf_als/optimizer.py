@@ -11,8 +11,8 @@ import keras
 import tensorflow as tf
 
 from tf_als import backward
+from tf_als import config as config_module
 from tf_als import link
-from tf_als import rule
 from tf_als import storm
 from tf_als import update
 
@@ -116,21 +116,17 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         _check_keywords(kwargs)
         _check_inner(inner_optimizer)
         _check_positive_number("initial_scale", initial_scale)
-        _check_int("dynamic_growth_steps", dynamic_growth_steps)
-        _check_int("update_interval", update_interval)
-        if (
-            isinstance(underflow_rate, bool)
-            or not isinstance(underflow_rate, numbers.Real)
-            or not 0.0 <= underflow_rate < 1.0
-        ):
-            raise ValueError(
-                "`underflow_rate` must be a float in [0, 1) (the quantile of "
-                f"nonzero gradient magnitudes); received {underflow_rate!r}."
-            )
-        _check_power_of_two("max_layer_scale", max_layer_scale)
-        _check_power_of_two("overflow_margin", overflow_margin)
+        config_module.check_int("dynamic_growth_steps", dynamic_growth_steps)
+        scaling_config = config_module.ScalingConfig(
+            update_interval=update_interval,
+            underflow_rate=underflow_rate,
+            max_layer_scale=max_layer_scale,
+            overflow_margin=overflow_margin,
+        )
         if max_consecutive_skips is not None:
-            _check_int("max_consecutive_skips", max_consecutive_skips, none_allowed=True)
+            config_module.check_int(
+                "max_consecutive_skips", max_consecutive_skips, none_allowed=True
+            )
         super().__init__(
             inner_optimizer,
             initial_scale=initial_scale,
@@ -138,36 +134,30 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             name=name,
             **kwargs,
         )
-        self.update_interval = int(update_interval)
-        self.underflow_rate = float(underflow_rate)
-        self.max_layer_scale = float(max_layer_scale)
-        self.overflow_margin = float(overflow_margin)
+        self.scaling_config = scaling_config
         self.max_consecutive_skips = (
             None if max_consecutive_skips is None else int(max_consecutive_skips)
         )
-        self._finite_flags = None
-        self._loss_finite = None
         self._warned_plain = False
 
     def build(self, var_list):
         super().build(var_list)
-        # Steps skipped in a row, and at the first of them [index of the
-        # trainable variable closest to the loss whose gradient was not
-        # finite (-1: not recorded), how many were not finite, whether the
-        # loss itself was finite (1, 0; -1: not recorded)].
-        self.consecutive_skips = self.add_variable(
-            shape=(),
+        # Steps skipped in a row; whether the loss of the latest step was
+        # finite (1, 0; -1: not recorded); and at the first skipped step of
+        # the streak [index of the trainable variable closest to the loss
+        # whose gradient was not finite (-1: none), how many were not
+        # finite, whether the loss itself was finite].
+        self.consecutive_skips = self._int_variable((), 0, "consecutive_skips")
+        self.loss_finite = self._int_variable((), -1, "loss_finite")
+        self.first_non_finite = self._int_variable((3,), -1, "first_non_finite")
+
+    def _int_variable(self, shape, value, name):
+        return self.add_variable(
+            shape=shape,
             dtype="int32",
-            initializer=keras.initializers.Zeros(),
+            initializer=keras.initializers.Constant(value),
             aggregation="none",
-            name="consecutive_skips",
-        )
-        self.first_non_finite = self.add_variable(
-            shape=(3,),
-            dtype="int32",
-            initializer=keras.initializers.Constant(-1),
-            aggregation="none",
-            name="first_non_finite",
+            name=name,
         )
 
     def apply(self, grads, trainable_variables=None):
@@ -177,21 +167,33 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             # Before Keras's apply: the step counter and global scale are
             # still those the backward pass ran with.
             self._update_scales(model)
-        try:
-            super().apply(grads, trainable_variables)
-        finally:
-            self._finite_flags = self._loss_finite = None
+        super().apply(grads, trainable_variables)
+        self._record_first_skip(grads)
         if tf.executing_eagerly():
             self.check_skips()
 
+    @property
+    def update_interval(self) -> int:
+        return self.scaling_config.update_interval
+
+    @property
+    def underflow_rate(self) -> float:
+        return self.scaling_config.underflow_rate
+
+    @property
+    def max_layer_scale(self) -> float:
+        return self.scaling_config.max_layer_scale
+
+    @property
+    def overflow_margin(self) -> float:
+        return self.scaling_config.overflow_margin
+
     def backward_pass(self) -> backward.Pass:
-        """What the backward pass of the coming step needs: the step, and
-        whether it is an update step."""
+        """What the backward pass of the coming step needs: the step,
+        whether it is an update step, and the knobs."""
         step = self._step()
         return backward.Pass(
-            step=step,
-            measure=self._due(step),
-            underflow_rate=self.underflow_rate,
+            step=step, measure=self._due(step), config=self.scaling_config
         )
 
     def _step(self):
@@ -216,11 +218,7 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
         def run():
             return update.update_scales(
-                model,
-                self._step(),
-                self._backoff(),
-                self.max_layer_scale,
-                self.overflow_margin,
+                model, self._step(), self._backoff(), self.scaling_config
             )
 
         def due():
@@ -270,18 +268,34 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             stacklevel=3,
         )
 
-    def check_finite(self, grads):
-        # As Keras's, but keeps the per-variable flags for the record made
-        # when the step is skipped.
-        flags = [
-            tf.constant(True)
-            if g is None
-            else keras.ops.all(keras.ops.isfinite(g))
-            for g in grads
-        ]
-        flags = tf.stack(flags) if flags else tf.ones([0], tf.bool)
-        self._finite_flags = flags
-        return tf.reduce_all(flags)
+    def _record_first_skip(self, grads):
+        """After Keras's apply: if this step began a streak of skipped
+        steps, records where its gradients were not finite (the pass over
+        the gradients runs on that step only)."""
+
+        def record():
+            flags = tf.stack(
+                [
+                    tf.constant(True) if g is None else tf.reduce_all(tf.math.is_finite(g))
+                    for g in grads
+                ]
+                or [tf.constant(True)]
+            )
+            bad = tf.logical_not(flags)
+            positions = tf.range(tf.size(flags, out_type=tf.int32))
+            self.first_non_finite.assign(
+                tf.stack(
+                    [
+                        tf.reduce_max(tf.where(bad, positions, -1)),
+                        tf.reduce_sum(tf.cast(bad, tf.int32)),
+                        tf.convert_to_tensor(self.loss_finite),
+                    ]
+                )
+            )
+            return tf.constant(True)
+
+        first = tf.equal(self.consecutive_skips, 1)
+        tf.cond(first, record, lambda: tf.constant(False))
 
     def _stateful_handle_finite_grads(self, grads, trainable_variables):
         super()._stateful_handle_finite_grads(grads, trainable_variables)
@@ -289,24 +303,6 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def _stateful_handle_non_finite_grads(self):
         super()._stateful_handle_non_finite_grads()
-        flags = self._finite_flags
-        if flags is not None and _reachable(flags):
-            bad = tf.logical_not(flags)
-            positions = tf.range(tf.size(flags, out_type=tf.int32))
-            loss_finite = self._loss_finite
-            if loss_finite is None or not _reachable(loss_finite):
-                loss_finite = tf.constant(-1)
-            record = tf.stack(
-                [
-                    tf.reduce_max(tf.where(bad, positions, -1)),
-                    tf.reduce_sum(tf.cast(bad, tf.int32)),
-                    tf.cast(loss_finite, tf.int32),
-                ]
-            )
-            first = tf.equal(self.consecutive_skips, 0)
-            self.first_non_finite.assign(
-                tf.where(first, record, tf.convert_to_tensor(self.first_non_finite))
-            )
         self.consecutive_skips.assign_add(1)
 
     def check_skips(self, attempted: int | None = None) -> None:
@@ -337,10 +333,12 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """Multiplies `loss` by the global scale S, and announces this
         optimizer to the instrumented model whose gradients come next."""
         link.announce(self)
-        # Kept for the record of a skipped step: was the loss itself finite?
-        self._loss_finite = tf.reduce_all(
-            tf.math.is_finite(tf.cast(tf.convert_to_tensor(loss), tf.float32))
-        )
+        if self.built:
+            # For the record of a skipped step: was the loss itself finite?
+            finite = tf.reduce_all(
+                tf.math.is_finite(tf.cast(tf.convert_to_tensor(loss), tf.float32))
+            )
+            self.loss_finite.assign(tf.cast(finite, tf.int32))
         return super().scale_loss(loss)
 
     def get_config(self):
@@ -412,38 +410,4 @@ def _check_positive_number(name, value):
     ):
         raise ValueError(
             f"`{name}` must be a positive finite number; received {value!r}."
-        )
-
-
-def _check_int(name, value, none_allowed=False):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        allowed = "an integer >= 1 or None" if none_allowed else "an integer >= 1"
-        raise ValueError(f"`{name}` must be {allowed}; received {value!r}.")
-
-
-def _reachable(tensor):
-    """Whether `tensor` can be used here: eager, or made in the graph being
-    built or one enclosing it (a tf.cond branch captures from outside)."""
-    if tf.executing_eagerly():
-        return not tf.is_symbolic_tensor(tensor)
-    graph = tf.compat.v1.get_default_graph()
-    while graph is not None:
-        if tensor.graph is graph:
-            return True
-        graph = getattr(graph, "outer_graph", None)
-    return False
-
-
-def _check_power_of_two(name, value):
-    limit = 2 ** rule.FLOAT16_MAX_EXPONENT
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Real)
-        or not 1 <= value <= limit
-        or math.log2(value) != int(math.log2(value))
-    ):
-        raise ValueError(
-            f"`{name}` must be a power of two from 1 to 2**15 = {limit} "
-            "(powers of two keep every rescale exact, and float16 must hold "
-            f"the scale); received {value!r}."
         )

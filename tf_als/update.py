@@ -30,7 +30,7 @@ from tf_als import state as state_module
 INF = float("inf")
 
 
-def update_scales(model, step, backoff, max_layer_scale, overflow_margin):
+def update_scales(model, step, backoff, config):
     """Chooses and writes every scaling point's new scale from what the
     backward pass of step `step` measured. Points that step did not reach
     (no gradient arrived) keep their scale and record.
@@ -42,8 +42,7 @@ def update_scales(model, step, backoff, max_layer_scale, overflow_margin):
         model: the `tf_als.InstrumentedModel`.
         step: int64 scalar, the optimizer step that measured.
         backoff: float32 scalar >= 1, see `tf_als.rule.choose_scale`.
-        max_layer_scale: float, the ceiling of every scale.
-        overflow_margin: float, the headroom below float16's maximum.
+        config: the optimizer's `tf_als.config.ScalingConfig`.
 
     Returns:
         A bool scalar that is True once every variable is written.
@@ -55,7 +54,7 @@ def update_scales(model, step, backoff, max_layer_scale, overflow_margin):
     )
     measured = across_replicas(measured)
     rows = tf.unstack(measured)
-    knobs = (max_layer_scale, overflow_margin, backoff)
+    knobs = (config.max_layer_scale, config.overflow_margin, backoff)
     scales = algebra.Scales(model.plan)
     scales_in = {}
     assigns = []
