@@ -49,8 +49,10 @@ def test_default_demo_shows_what_one_global_scale_loses(tmp_path):
     large share of some layer's gradient while tf_als stays within float16's
     rounding of float32. Bounds: measured 94% accuracy, 78% of the worst
     layer's elements flushed with 99% relative error under Keras's scale,
-    none flushed with 0.2% error under tf_als; float16 rounding alone gives
-    about 0.1-1% error per layer (the cnn's worst layers)."""
+    none flushed with 0.2% error under tf_als. The 2% bound on tf_als
+    leaves room for float16's own forward rounding, which nothing scales
+    away (it reaches 3.8% on `--model cnn`, through BatchNormalization, for
+    Keras and tf_als alike)."""
     results = demo.main(["--output-dir", str(tmp_path), "--verbose", "0"])
     assert results["float32"]["test_accuracy"] > 0.85
     assert results["keras"]["worst_underflow"] > 0.25

@@ -186,3 +186,22 @@ def test_no_function_is_too_long_to_read_at_once():
                 if count > LONGEST_FUNCTION:
                     too_long.append(f"tf_als/{name}.py {node.name}: {count} lines")
     assert too_long == [], "\n".join(too_long)
+
+
+# Attributes of Keras's internal graph classes (`keras.src.ops.node.Node`
+# and its `arguments`) that carry no underscore but are not public API, as
+# read from a variable named for a node (`inspect.BoundArguments.arguments`
+# is public).
+NODE_ATTRIBUTES = ("arguments", "is_input", "keras_tensors")
+
+
+def test_keras_graph_nodes_are_read_only_in_the_fence():
+    found = []
+    for name, (source, _) in _modules().items():
+        if name == FENCE:
+            continue
+        for number, line in enumerate(source.splitlines(), 1):
+            for attribute in NODE_ATTRIBUTES:
+                if re.search(rf"node\w*(?:\.\w+)*\.{attribute}\b", line):
+                    found.append(f"{name}.py:{number}: .{attribute}")
+    assert not found, found

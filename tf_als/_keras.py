@@ -5,6 +5,7 @@ a Keras upgrade is checked here and nowhere else.
 """
 
 import contextlib
+import typing
 
 import keras
 from keras.src import backend as _backend
@@ -43,11 +44,11 @@ def operation_fn(operation, training):
     return _functional.operation_fn(operation, training=training)
 
 
-def fill_in(node, values):
-    """(args, kwargs) of a Functional graph node's call, with its input
-    tensors replaced by `values` ({id of the KerasTensor: value}), as
+def fill_in(graph_node, values):
+    """(args, kwargs) of a `GraphNode`'s call, with its input tensors
+    replaced by `values` ({id of the KerasTensor: value}), as
     `Functional.call` fills them. Keras 3.15 `Node.arguments.fill_in`."""
-    return node.arguments.fill_in(values)
+    return graph_node.node.arguments.fill_in(values)
 
 
 def sequential_graph(model):
@@ -56,10 +57,46 @@ def sequential_graph(model):
     return model._functional
 
 
+class GraphNode(typing.NamedTuple):
+    """What tf_als reads of one call in a Functional graph.
+
+    Attributes:
+        operation: the layer (or model) called.
+        inputs: the KerasTensors passed to it, in call order.
+        outputs: the KerasTensors it returned.
+        args, kwargs: the call's arguments, KerasTensors included.
+        node: the Keras node itself, only to hand back to `fill_in`.
+    """
+
+    operation: object
+    inputs: tuple
+    outputs: tuple
+    args: tuple
+    kwargs: dict
+    node: object
+
+
 def nodes_by_depth(functional) -> dict:
-    """{depth: nodes} of a Functional graph (depth 0 at the outputs).
-    Keras 3.15 `Functional._nodes_by_depth`; public: none."""
-    return functional._nodes_by_depth
+    """{depth: [GraphNode]} of the calls in a Functional graph (depth 0 at
+    the outputs; input placeholders left out). Keras 3.15
+    `Functional._nodes_by_depth` and the attributes of
+    `keras.src.ops.node.Node` (`operation`, `is_input`, `arguments`,
+    `outputs`); public: none."""
+    return {
+        depth: [
+            GraphNode(
+                operation=node.operation,
+                inputs=tuple(node.arguments.keras_tensors),
+                outputs=tuple(node.outputs),
+                args=tuple(node.arguments.args),
+                kwargs=dict(node.arguments.kwargs),
+                node=node,
+            )
+            for node in nodes
+            if node.operation and not node.is_input
+        ]
+        for depth, nodes in functional._nodes_by_depth.items()
+    }
 
 
 def inputs_struct(functional):

@@ -40,10 +40,11 @@ class Call:
             the entry into a nested model, which converts the outer tensors
             to the nested model's inputs exactly as Keras does.
         operation: the layer, operation or (for `"enter"`) nested model.
-        node: the Keras `Node` of that call, whose arguments are filled in.
+        node: the call's `tf_als._keras.GraphNode`, whose arguments are
+            filled in.
         scope: names of the enclosing nested models, outermost first.
         inputs: `(id(keras_tensor), slot)` for each tensor argument of the
-            node, in `node.arguments.keras_tensors` order; for `"enter"`, one
+            node, in `node.inputs` order; for `"enter"`, one
             per nested input, in the nested model's input order.
         outputs: the slot of each (flattened) output.
         training: `True`/`False` when an enclosing nested model was called
@@ -219,9 +220,7 @@ class _Builder:
         by_depth = _keras.nodes_by_depth(functional)
         for depth in sorted(by_depth, reverse=True):
             for node in by_depth[depth]:
-                if not node.operation or node.is_input:
-                    continue
-                tensors = node.arguments.keras_tensors
+                tensors = node.inputs
                 if any(id(x) not in slot_of for x in tensors):
                     continue  # Not computable from the inputs; Keras skips it too.
                 inputs = tuple((id(x), slot_of[id(x)]) for x in tensors)
@@ -249,7 +248,7 @@ class _Builder:
 
     def _walk_nested(self, model, node, slot_of, scope, training):
         inner = functional_of(model, "nested model")
-        args, kwargs = node.arguments.args, dict(node.arguments.kwargs)
+        args, kwargs = node.args, dict(node.kwargs)
         if "training" in kwargs:
             explicit = kwargs.pop("training")
             if explicit is not None:
