@@ -69,9 +69,10 @@ def build_model(name, input_shape, classes):
     inputs = keras.Input(input_shape)
     if name == "deep-sigmoid":
         flat = layers.Flatten()(inputs)
-        x = layers.Dense(64, activation="sigmoid")(flat)
-        for _ in range(DEEP_SIGMOID_LAYERS - 1):
-            x = layers.Dense(64, activation="sigmoid")(layers.Concatenate()([x, flat]))
+        x = layers.Dense(64, activation="sigmoid", name="sigmoid_1")(flat)
+        for depth in range(2, DEEP_SIGMOID_LAYERS + 1):
+            x = layers.Concatenate()([x, flat])
+            x = layers.Dense(64, activation="sigmoid", name=f"sigmoid_{depth}")(x)
     elif name == "sigmoid-mlp":
         x = layers.Flatten()(inputs)
         for _ in range(16):
@@ -87,7 +88,7 @@ def build_model(name, input_shape, classes):
         x = layers.BatchNormalization(momentum=BN_MOMENTUM)(x)
         x = layers.ReLU()(x)
         x = layers.GlobalAveragePooling2D()(x)
-    outputs = layers.Dense(classes, dtype="float32")(x)
+    outputs = layers.Dense(classes, dtype="float32", name="logits")(x)
     return keras.Model(inputs, outputs, name=name.replace("-", "_"))
 
 
