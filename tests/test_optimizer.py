@@ -26,6 +26,7 @@ NEW_DEFAULTS = dict(
     max_layer_scale=2.0**15,
     overflow_margin=2.0**12,
     max_consecutive_skips=32,
+    promote_on_storm=True,
 )
 
 
@@ -245,6 +246,7 @@ CUSTOM = dict(
     max_layer_scale=2.0**10,
     overflow_margin=2.0**6,
     max_consecutive_skips=5,
+    promote_on_storm=False,
     name="als",
 )
 

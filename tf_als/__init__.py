@@ -18,6 +18,7 @@ tf_als.scales(model)
 from tf_als import callbacks
 from tf_als import datasets
 from tf_als import plots
+from tf_als import promote
 from tf_als import storm
 from tf_als.instrument import InstrumentedModel
 from tf_als.instrument import PointInfo
@@ -25,6 +26,7 @@ from tf_als.instrument import instrument
 from tf_als.instrument import points
 from tf_als.instrument import scales
 from tf_als.optimizer import AdaptiveLossScaleOptimizer
+from tf_als.promote import promoted
 from tf_als.report import Diagnosis
 from tf_als.report import diagnose
 from tf_als.storm import NonFiniteStormError
@@ -43,6 +45,8 @@ __all__ = [
     "instrument",
     "plots",
     "points",
+    "promote",
+    "promoted",
     "scales",
     "storm",
 ]

@@ -229,6 +229,13 @@ def dtype_policy(layers, name):
             x._dtype = "float16"
 
 
+def set_dtype_policy(layer, name) -> None:
+    """Gives `layer` the dtype policy `name` for good (its sublayers keep
+    theirs). Keras 3.15 `Layer._dtype_policy`, replaced rather than set
+    through the public setter for the reason `dtype_policy` gives."""
+    layer._dtype_policy = keras.dtype_policies.get(name)
+
+
 def _graph_inputs(layer) -> list:
     """The input KerasTensors of a Functional or built Sequential model (the
     ones Keras converts call arguments to); [] for any other layer. Keras

@@ -18,6 +18,7 @@ from tf_als.instrument import InstrumentedModel
 from tf_als.optimizer import AdaptiveLossScaleOptimizer
 from tf_als import link
 from tf_als import overview
+from tf_als import promote
 from tf_als import rule
 from tf_als import state
 from tf_als import storm
@@ -55,6 +56,9 @@ RUN_NAME = "tf_als"
 """The subdirectory of `log_dir` the summaries go to (a TensorBoard run)."""
 
 POINT_NAMES_TAG = "global/point_names"
+# Text written at the step of each promotion to float32 (only when one
+# happens: see `promote_on_storm`).
+PROMOTIONS_TAG = "global/promotions"
 """A text summary, written once, listing the scaling points' names (one per
 line, in execution order): tags cannot hold `/` in names, this can."""
 
@@ -108,7 +112,11 @@ class ScaleHistory(keras.callbacks.Callback):
 
         {"step": [optimizer step of each update],
          "loss_scale": [...], "skipped_steps": [...],
-         "points": {point name: {quantity: [...], "histogram": [[...]]}}}
+         "points": {point name: {quantity: [...], "histogram": [[...]]}},
+         "promotions": [{"layer": ..., "reason": ..., "step": ...}]}
+
+    (`promotions`: layers switched to float32 by `promote_on_storm`; each is
+    also written to TensorBoard as the text `global/promotions`.)
 
     At the end of each epoch it adds `EPOCH_LOG_KEYS` to Keras's logs, so
     `History`, `CSVLogger` (listed after this callback) and the progress
@@ -174,6 +182,7 @@ class ScaleHistory(keras.callbacks.Callback):
             "loss_scale": [],
             "skipped_steps": [],
             "points": {},
+            "promotions": [],
         }
         self.skipped_steps = 0
         self._last_seen = None
@@ -242,6 +251,7 @@ class ScaleHistory(keras.callbacks.Callback):
         }
 
     def on_train_end(self, logs=None):
+        self._note_promotions()
         if self._writer is not None:
             self._writer.flush()
 
@@ -279,6 +289,22 @@ class ScaleHistory(keras.callbacks.Callback):
         if happened:
             self._last_seen = last
             self._record(last, optimizer)
+        self._note_promotions()
+
+    def _note_promotions(self):
+        """Adds the layers promoted to float32 since the last call to
+        `history["promotions"]` (and TensorBoard)."""
+        recorded = self.history["promotions"]
+        for promotion in promote.promoted(self.model)[len(recorded):]:
+            recorded.append(promotion.as_dict())
+            if self.log_dir is not None:
+                self._open_writer(promotion.step)
+                with self._writer.as_default(step=promotion.step):
+                    tf.summary.text(
+                        PROMOTIONS_TAG,
+                        f"layer {promotion.layer!r} promoted to float32 at "
+                        f"step {promotion.step}: {promotion.reason}",
+                    )
 
     def _record(self, step, optimizer):
         loss_scale = float(_read_float(optimizer.dynamic_scale))
@@ -316,17 +342,22 @@ class ScaleHistory(keras.callbacks.Callback):
         image = overview.heat_map(np.log2(scales))
         tf.summary.image(OVERVIEW_IMAGE_TAG, image[np.newaxis], max_outputs=1)
 
-    def _write(self, step, loss_scale, rows):
-        first = self._writer is None
-        if first:
-            self._writer = tf.summary.create_file_writer(
-                os.path.join(self.log_dir, RUN_NAME)
-            )
+    def _open_writer(self, step):
+        """Opens the writer at the first write, and lists the points."""
+        if self._writer is not None:
+            return
+        self._writer = tf.summary.create_file_writer(
+            os.path.join(self.log_dir, RUN_NAME)
+        )
         with self._writer.as_default(step=step):
-            if first:
-                tf.summary.text(
-                    POINT_NAMES_TAG, "\n".join(name for name, _, _ in rows)
-                )
+            tf.summary.text(
+                POINT_NAMES_TAG,
+                "\n".join(p.point_name for p in self.model.scaling_points),
+            )
+
+    def _write(self, step, loss_scale, rows):
+        self._open_writer(step)
+        with self._writer.as_default(step=step):
             tf.summary.scalar("global/loss_scale", loss_scale)
             tf.summary.scalar("global/skipped_steps", self.skipped_steps)
             self._write_overview()

@@ -17,6 +17,7 @@ from tf_als import composite
 from tf_als import graph
 from tf_als import hooks
 from tf_als import link
+from tf_als import promote
 from tf_als import optimizer as optimizer_module
 from tf_als import state
 from tf_als import storm
@@ -200,6 +201,11 @@ class InstrumentedModel(keras.Model):
         # Inputs reach the layers exactly as they reach the original model.
         _keras.pass_inputs_through(self)
         self.model = model
+        self.promotions = []  # tf_als.promote.Promotion, in order
+        # The same list as JSON, for tf.train.Checkpoint (which saves
+        # variables, not dtype policies); `tf_als.promote.sync` reads it.
+        self.promotion_log = tf.Variable("[]", dtype=tf.string, trainable=False)
+        _keras.track(self, self.promotion_log, "promotion_log")
         self._plan = plan
         self._inner = tuple(enumerate(inner, start=len(plan.point_names)))
         names = list(plan.point_names) + [i.name for i in inner]
@@ -285,6 +291,7 @@ class InstrumentedModel(keras.Model):
         """`keras.Model.fit`, plus a `tf_als.callbacks.NonFiniteGuard` (unless
         one is given) so that a run whose steps are all skipped stops with a
         `NonFiniteStormError` (see `max_consecutive_skips`)."""
+        promote.sync(self)  # Promotions restored from a checkpoint.
         bound = _FIT_SIGNATURE.bind(self, *args, **kwargs)
         arguments = dict(bound.arguments)
         del arguments["self"]
@@ -347,6 +354,7 @@ class InstrumentedModel(keras.Model):
             "name": self.name,
             "trainable": self.trainable,
             "model": keras.saving.serialize_keras_object(self.model),
+            "promotions": [p.as_dict() for p in self.promotions],
         }
 
     @classmethod
@@ -355,7 +363,10 @@ class InstrumentedModel(keras.Model):
         model = keras.saving.deserialize_keras_object(
             config.pop("model"), custom_objects=custom_objects
         )
-        return cls(model, **config)
+        promotions = config.pop("promotions", [])
+        instrumented = cls(model, **config)
+        promote.apply(instrumented, promotions)
+        return instrumented
 
 
 # The arguments of Keras's `Model.fit`, read once (InstrumentedModel.fit

@@ -6,6 +6,7 @@ import inspect
 import math
 import numbers
 import warnings
+from typing import Callable, Iterable
 
 import keras
 import tensorflow as tf
@@ -13,6 +14,7 @@ import tensorflow as tf
 from tf_als import backward
 from tf_als import config as config_module
 from tf_als import link
+from tf_als import promote
 from tf_als import storm
 from tf_als import update
 
@@ -80,6 +82,16 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             model and eager loops check on their own; compiled custom loops
             call `check_skips()` after each step. None never stops, as
             Keras's `LossScaleOptimizer`.
+        promote_on_storm: bool, default True. When such a streak began with
+            a loss that was not finite (the float16 forward pass overflowed,
+            which no loss scale can cure), re-run the training batches
+            eagerly, switch the first layer whose float16 output is not
+            finite to float32 (`tf_als.promote`: at most 10% of the layers
+            with weights), put the global scale back where it was before the
+            streak, and train on instead of raising. It acts only where the
+            storm error would be raised, so a run that never reaches
+            `max_consecutive_skips` is unchanged; with
+            `max_consecutive_skips=None` it never acts.
         name: str, optional name.
 
     Example:
@@ -110,6 +122,7 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         max_layer_scale: float = 2.0**15,
         overflow_margin: float = 2.0**12,
         max_consecutive_skips: int | None = DEFAULT_MAX_CONSECUTIVE_SKIPS,
+        promote_on_storm: bool = True,
         name: str | None = None,
         **kwargs,
     ):
@@ -123,6 +136,10 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             max_layer_scale=max_layer_scale,
             overflow_margin=overflow_margin,
         )
+        if not isinstance(promote_on_storm, bool):
+            raise ValueError(
+                f"`promote_on_storm` must be True or False; received {promote_on_storm!r}."
+            )
         if max_consecutive_skips is not None:
             config_module.check_int(
                 "max_consecutive_skips", max_consecutive_skips, none_allowed=True
@@ -138,6 +155,7 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.max_consecutive_skips = (
             None if max_consecutive_skips is None else int(max_consecutive_skips)
         )
+        self.promote_on_storm = promote_on_storm
         self._warned_plain = False
 
     def build(self, var_list):
@@ -268,6 +286,18 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             stacklevel=3,
         )
 
+    def check_finite(self, grads):
+        """Whether every gradient is finite: Keras's check, except that a
+        sparse gradient (`tf.IndexedSlices`, e.g. an `Embedding`'s) is
+        judged by its values. Keras 3.15 densifies it with
+        `tf.tensor_scatter_nd_update`, which keeps one row per index: when a
+        token occurs twice in a batch and one of its rows is not finite,
+        the check can pass and the non-finite gradient is applied, leaving
+        the embedding NaN for good (seen on a KerasHub Llama with dropout
+        0.1 under Keras's `LossScaleOptimizer`)."""
+        flags = [_all_finite(g) for g in grads if g is not None]
+        return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
+
     def _record_first_skip(self, grads):
         """After Keras's apply: if this step began a streak of skipped
         steps, records where its gradients were not finite (the pass over
@@ -276,7 +306,7 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         def record():
             flags = tf.stack(
                 [
-                    tf.constant(True) if g is None else tf.reduce_all(tf.math.is_finite(g))
+                    tf.constant(True) if g is None else _all_finite(g)
                     for g in grads
                 ]
                 or [tf.constant(True)]
@@ -305,29 +335,95 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         super()._stateful_handle_non_finite_grads()
         self.consecutive_skips.assign_add(1)
 
-    def check_skips(self, attempted: int | None = None) -> None:
-        """Raises `tf_als.storm.NonFiniteStormError` if the last
-        `max_consecutive_skips` steps were all skipped.
+    def check_skips(
+        self,
+        attempted: int | None = None,
+        batches: Callable[[], Iterable] | None = None,
+    ) -> list:
+        """Acts when the last `max_consecutive_skips` steps were all
+        skipped: promotes the layer whose float16 forward pass overflows to
+        float32 (see `promote_on_storm`), or raises
+        `tf_als.storm.NonFiniteStormError`.
 
-        `fit` on an instrumented model and eager loops call it on their own;
-        call it after each step of a compiled (`tf.function`) custom loop:
+        `fit` on an instrumented model calls it after every batch (and
+        retraces its train function after a promotion); eager loops call it
+        from `apply` (without batches: they stop with the error). Call it
+        after each step of a compiled (`tf.function`) custom loop, and make
+        the function again when it promoted a layer:
 
         ```python
+        step = tf.function(train_step)
         for x, y in dataset:
-            train_step(x, y)          # a tf.function that calls apply()
-            optimizer.check_skips()
+            step(x, y)                # calls optimizer.apply()
+            if optimizer.check_skips(batches=lambda: [x]):
+                step = tf.function(train_step)   # trace the float32 layer
         ```
 
         Args:
             attempted: how many batches the loop has run, if known; the
                 message then counts steps as the loop does (skipped ones
                 included).
+            batches: a callable returning an iterable of training input
+                batches to re-run eagerly when the loss itself was not
+                finite (the forward pass is searched on up to 8 of them);
+                without it nothing is promoted.
+
+        Returns:
+            The `tf_als.promote.Promotion`s this call made (usually none).
         """
         if self.max_consecutive_skips is None or not self.built:
-            return
+            return []
         skips = int(keras.ops.convert_to_numpy(self.consecutive_skips))
-        if skips >= self.max_consecutive_skips:
-            raise storm.NonFiniteStormError(storm.describe(self, skips, attempted))
+        if skips < self.max_consecutive_skips:
+            return []
+        made, why = self._promote(batches)
+        if made:
+            self._resume_after_storm(skips)
+            return list(made)
+        message = storm.describe(self, skips, attempted)
+        if why is not None:
+            message += f" promote_on_storm: {why}."
+        raise storm.NonFiniteStormError(message)
+
+    def _promote(self, batches):
+        """(promotions made, why none or not enough) for the storm now."""
+        model = link.model_of(self)
+        if not self.promote_on_storm or model is None:
+            return (), None
+        if int(keras.ops.convert_to_numpy(self.first_non_finite)[2]) != 0:
+            return (), (
+                "the loss was finite at the first skipped step, so the "
+                "forward pass did not overflow; only float16 forward "
+                "overflows are promoted"
+            )
+        if batches is None:
+            return (), "no training batches were given to re-run the forward pass"
+        step = int(keras.ops.convert_to_numpy(self.iterations))
+        made, why = promote.rescue(model, batches, step)
+        for promotion in made:
+            warnings.warn(
+                f"tf_als promoted layer {promotion.layer!r} to float32 at step "
+                f"{promotion.step}: {promotion.reason}. Training goes on "
+                "from the same step (tf_als.promoted(model) lists "
+                "promotions).",
+                stacklevel=4,
+            )
+        if why is not None and made:
+            return (), why + " (promoted so far: " + ", ".join(
+                repr(p.layer) for p in promote.promoted(model)
+            ) + ")"
+        return made, why
+
+    def _resume_after_storm(self, skips):
+        """After a promotion: the global scale goes back to where it was
+        before the streak (the skips were the layer's fault, not the
+        scale's), and the streak is forgotten."""
+        scale = float(keras.ops.convert_to_numpy(self.dynamic_scale))
+        self.dynamic_scale.assign(min(self.initial_scale, scale * 2.0**skips))
+        self.step_counter.assign(0)
+        self.consecutive_skips.assign(0)
+        self.loss_finite.assign(-1)
+        self.first_non_finite.assign([-1, -1, -1])
 
     def scale_loss(self, loss: tf.Tensor) -> tf.Tensor:
         """Multiplies `loss` by the global scale S, and announces this
@@ -349,6 +445,7 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             max_layer_scale=self.max_layer_scale,
             overflow_margin=self.overflow_margin,
             max_consecutive_skips=self.max_consecutive_skips,
+            promote_on_storm=self.promote_on_storm,
         )
         return config
 
@@ -411,3 +508,10 @@ def _check_positive_number(name, value):
         raise ValueError(
             f"`{name}` must be a positive finite number; received {value!r}."
         )
+
+
+def _all_finite(gradient) -> tf.Tensor:
+    """Whether a dense or sparse (`tf.IndexedSlices`) gradient is finite."""
+    if isinstance(gradient, tf.IndexedSlices):
+        gradient = gradient.values
+    return tf.reduce_all(tf.math.is_finite(gradient))

@@ -190,16 +190,20 @@ class NonFiniteGuard(keras.callbacks.Callback):
         if check is None:
             return
         try:
-            check(attempted=self._batches)
+            promoted = check(attempted=self._batches, batches=self._input_batches)
         except NonFiniteStormError as error:
             hint = self._forward_hint(optimizer)
             if hint is None:
                 raise
             raise NonFiniteStormError(f"{error} {hint}") from None
+        if promoted:
+            # The next batch traces the promoted layers in float32.
+            self.model.make_train_function(force=True)
 
     def _forward_hint(self, optimizer):
         loss_finite = int(keras.ops.convert_to_numpy(optimizer.first_non_finite)[2])
-        if self._input_batches is None or loss_finite != 0:
+        rescued = optimizer.promote_on_storm and link.model_of(optimizer) is not None
+        if self._input_batches is None or loss_finite != 0 or rescued:
             return None
         model = getattr(self.model, "model", self.model)  # the plain layers
         culprit = forward.search(model, self._input_batches())
