@@ -14,9 +14,11 @@ with a hand-written training step compiled by `tf.function`:
 Keras's own `LossScaleOptimizer`; the per-layer scales are removed inside
 the backward pass. `ScaleHistory.record_step()` after each step records the
 scale updates, as the callback does under `fit`, and
-`optimizer.check_skips()` stops the loop with a `tf_als.NonFiniteStormError`
-if `max_consecutive_skips` steps in a row were skipped (a compiled step
-cannot raise it by itself; `fit` does this check for you).
+`optimizer.check_skips(batches=...)` acts when `max_consecutive_skips` steps
+in a row were skipped (a compiled step cannot do it by itself; `fit` does
+this check for you): it promotes a layer whose float16 forward pass
+overflows to float32 and returns it (make the step again), or stops the
+loop with a `tf_als.NonFiniteStormError`.
 
 Run:
 
@@ -127,7 +129,11 @@ def main(argv=None) -> dict:
         for x, y in batches:
             mean_loss.update_state(train_step(x, y))
             history.record_step()
-            optimizer.check_skips()
+            # Stops a run whose steps are all skipped; or, when the float16
+            # forward pass overflowed, promotes the layer to float32 and
+            # returns it: trace the step again so that it computes in float32.
+            if optimizer.check_skips(batches=lambda x=x: [x]):
+                train_step = make_train_step(model, optimizer, loss_fn)
         epoch_losses.append(float(mean_loss.result()))
         print(f"epoch {epoch + 1}/{args.epochs}: loss {epoch_losses[-1]:.4f}, "
               f"global loss scale {float(optimizer.dynamic_scale):g}")
