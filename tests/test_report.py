@@ -168,6 +168,23 @@ def test_works_on_an_instrumented_model_without_changing_it(mixed):
     assert set(tf_als.scales(model).values()) == {4.0}
 
 
+def test_a_loss_given_by_name_is_reduced_as_compile_reduces_it(mixed):
+    """`loss="sparse_categorical_crossentropy"` is Keras's per-sample
+    function; the report must equal the one for the Loss object, whose
+    default reduction is the mean over the batch."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((64,))
+    hidden = layers.Dense(16, activation="relu")(inputs)
+    model = keras.Model(inputs, layers.Dense(10, activation="softmax", dtype="float32")(hidden))
+    x, y = _digits_batch()
+    x = np.reshape(x, (len(x), -1))
+    by_name = tf_als.diagnose(model, x, y, loss="sparse_categorical_crossentropy", verbose=False)
+    by_object = tf_als.diagnose(
+        model, x, y, loss=keras.losses.SparseCategoricalCrossentropy(), verbose=False
+    )
+    assert by_name == by_object
+
+
 def test_model_compiled_with_unregistered_objects(mixed):
     """The copies diagnose makes are not compiled: a model compiled with a
     loss class Keras cannot deserialise still works, and stays compiled."""

@@ -264,7 +264,11 @@ def _gradients(model, variables, x, y, loss_fn, training, scale=1.0, optimizer=N
     @tf.function
     def compute(x, y):
         with tf.GradientTape() as tape:
-            value = tf.cast(loss_fn(y, model(x, training=training)), tf.float32)
+            # A loss given by name is Keras's per-sample function: reduce
+            # it as compile() would (a Loss object's scalar is kept as is).
+            value = tf.reduce_mean(
+                tf.cast(loss_fn(y, model(x, training=training)), tf.float32)
+            )
             if optimizer is not None:
                 scaled = optimizer.scale_loss(value)
             else:
