@@ -258,3 +258,57 @@ def test_promotions_survive_a_checkpoint(tmp_path):
     before = int(fresh.optimizer.iterations.numpy())
     fresh.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
     assert int(fresh.optimizer.iterations.numpy()) == before + 4
+
+
+MIRRORED_PROMOTION = """
+import tensorflow as tf
+(cpu,) = tf.config.list_physical_devices("CPU")
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import sys, warnings
+sys.path.insert(0, {tests!r})
+import keras
+import numpy as np
+keras.mixed_precision.set_global_policy("mixed_float16")
+import tf_als
+from test_promote import BATCH, build, data, loss_fn, optimizer
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+with strategy.scope():
+    model = tf_als.instrument(build())
+    model.compile(optimizer(), loss_fn())
+x, y = data()
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    history = model.fit(x, y, batch_size=BATCH, epochs=3, verbose=0, shuffle=False)
+print("PROMOTED", [(p.layer, p.step) for p in tf_als.promoted(model)])
+print("ITERATIONS", int(model.optimizer.iterations.numpy()))
+print("FINITE", bool(np.all(np.isfinite(history.history["loss"][1:]))))
+for v in model.model.weights:
+    values = [r.numpy() for r in strategy.experimental_local_results(v)]
+    assert all(np.array_equal(values[0], r) for r in values[1:]), v.path
+print("REPLICAS_EQUAL", True)
+"""
+
+
+@pytest.mark.slow  # ~30 s: a subprocess that starts TensorFlow again
+def test_mirrored_replicas_promote_the_same_layer_at_the_same_step():
+    """Two logical CPUs (in a subprocess: devices must be split before
+    TensorFlow starts). Promotion happens on the host, on the one layer
+    object every replica runs, so both replicas compute `hot` in float32
+    from the same step on and end with equal weights."""
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    result = subprocess.run(
+        [sys.executable, "-c", MIRRORED_PROMOTION.format(tests=tests)],
+        capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+    )
+    lines = dict(
+        line.split(" ", 1) for line in result.stdout.splitlines()
+        if line.split(" ", 1)[0] in ("PROMOTED", "ITERATIONS", "FINITE", "REPLICAS_EQUAL")
+    )
+    assert "REPLICAS_EQUAL" in lines, result.stderr[-3000:]
+    assert lines["PROMOTED"] == "[('hot', 0)]"
+    assert lines["ITERATIONS"] == str(3 * 4 - SKIPS)
+    assert lines["FINITE"] == "True"
