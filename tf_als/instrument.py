@@ -202,9 +202,9 @@ class InstrumentedModel(keras.Model):
         _keras.pass_inputs_through(self)
         self.model = model
         self.promotions = []  # tf_als.promote.Promotion, in order
-        # The same list as JSON, for tf.train.Checkpoint (which saves
-        # variables, not dtype policies); `tf_als.promote.sync` reads it.
-        self.promotion_log = tf.Variable("[]", dtype=tf.string, trainable=False)
+        # The same list for tf.train.Checkpoint (which saves variables, not
+        # dtype policies); `tf_als.promote.sync` reads it after a restore.
+        self.promotion_log = promote.PromotionLog()
         _keras.track(self, self.promotion_log, "promotion_log")
         self._plan = plan
         self._inner = tuple(enumerate(inner, start=len(plan.point_names)))

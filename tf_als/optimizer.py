@@ -185,8 +185,9 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             # Before Keras's apply: the step counter and global scale are
             # still those the backward pass ran with.
             self._update_scales(model)
-        super().apply(grads, trainable_variables)
-        self._record_first_skip(grads)
+        own = list(grads)
+        super().apply(_agree_across_replicas(own), trainable_variables)
+        self._record_first_skip(own)
         if tf.executing_eagerly():
             self.check_skips()
 
@@ -515,3 +516,40 @@ def _all_finite(gradient) -> tf.Tensor:
     if isinstance(gradient, tf.IndexedSlices):
         gradient = gradient.values
     return tf.reduce_all(tf.math.is_finite(gradient))
+
+
+def _agree_across_replicas(grads):
+    """With several replicas in sync, makes every replica see a non-finite
+    gradient when any replica has one.
+
+    Keras 3.15 decides whether to apply a step from each replica's own
+    gradients, before they are summed; under a `merge_call` strategy
+    (MirroredStrategy) it takes the first replica's answer. When another
+    replica's gradient is the non-finite one, the step is applied and the
+    summed gradient writes inf into the weights (seen on the tiny KerasHub
+    GPT-2 on two logical CPUs, `benchmarks/mirrored_gpt2.py`). Here the
+    replicas sum one count of non-finite gradients (one scalar all-reduce
+    per step), and a replica whose own gradients are finite while another's
+    are not turns its smallest dense gradient into NaN, so that Keras's
+    check skips the step everywhere. Nothing changes with one replica.
+    """
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return grads
+    dense = [
+        i for i, g in enumerate(grads)
+        if g is not None and not isinstance(g, tf.IndexedSlices)
+    ]
+    if not dense:
+        return grads
+    flags = [_all_finite(g) for g in grads if g is not None]
+    local_bad = tf.logical_not(tf.reduce_all(tf.stack(flags)))
+    bad = context.all_reduce(
+        tf.distribute.ReduceOp.SUM, tf.cast(local_bad, tf.float32)
+    ) > 0.0
+    smallest = min(dense, key=lambda i: grads[i].shape.num_elements() or 0)
+    gradient = grads[smallest]
+    grads[smallest] = tf.where(
+        bad, tf.fill(tf.shape(gradient), tf.constant(float("nan"), gradient.dtype)), gradient
+    )
+    return grads

@@ -22,6 +22,7 @@ import math
 from typing import Callable, Iterable, Optional
 
 import keras
+import tensorflow as tf
 
 from tf_als import _keras
 from tf_als import forward
@@ -47,6 +48,20 @@ class Promotion:
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+class PromotionLog(tf.train.experimental.PythonState):
+    """A model's promotions (`Promotion.as_dict` records), saved in
+    object-based checkpoints as JSON."""
+
+    def __init__(self):
+        self.records = []
+
+    def serialize(self):
+        return json.dumps(self.records)
+
+    def deserialize(self, string_value):
+        self.records = json.loads(string_value)
 
 
 def promoted(model: keras.Model) -> list:
@@ -152,17 +167,12 @@ def sync(model: keras.Model) -> None:
     `promoted` call it; a custom loop that restores a checkpoint calls it
     (or `tf_als.promoted(model)`) before tracing its step."""
     log = getattr(model, "promotion_log", None)
-    if log is None:
-        return
-    records = json.loads(log.numpy().decode())
-    if len(records) > len(model.promotions):
-        apply(model, records)
+    if log is not None and len(log.records) > len(model.promotions):
+        apply(model, log.records)
 
 
 def _log(model):
-    model.promotion_log.assign(
-        json.dumps([p.as_dict() for p in model.promotions])
-    )
+    model.promotion_log.records = [p.as_dict() for p in model.promotions]
 
 
 def _layer_at(model, path) -> Optional[keras.layers.Layer]:

@@ -1,4 +1,7 @@
-"""Non-finite sparse gradients are skipped, even when a token occurs twice.
+"""A step is skipped whenever a gradient is not finite: sparse gradients
+with repeated tokens, and one replica's gradients under MirroredStrategy.
+
+Sparse gradients:
 
 An `Embedding`'s gradient is a `tf.IndexedSlices` with one row per token
 occurrence, so a token seen twice in a batch has two rows. Keras 3.15's
@@ -7,6 +10,11 @@ occurrence, so a token seen twice in a batch has two rows. Keras 3.15's
 row followed by a finite one for the same token passes the check, the
 step is applied, and the embedding turns NaN for good. tf_als judges
 sparse gradients by their values.
+
+Replicas: Keras 3.15 decides from each replica's own gradients, before they
+are summed, and under MirroredStrategy takes the first replica's answer;
+when only another replica's gradient is non-finite, the summed inf is
+applied. tf_als's replicas agree first (one scalar all-reduce per step).
 """
 
 import keras
@@ -85,3 +93,64 @@ def test_llama_with_dropout_trains_in_float16(mixed):
     assert all(np.all(np.isfinite(v.numpy())) for v in model.weights)
     assert 50 <= int(optimizer.iterations.numpy()) < 60
     assert tf_als.promoted(model) == []
+
+
+MIRRORED_DISAGREEMENT = """
+import tensorflow as tf
+(cpu,) = tf.config.list_physical_devices("CPU")
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras
+import numpy as np
+import tf_als
+
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+with strategy.scope():
+    kernel = keras.Variable(np.ones((3, 2), "float32"))
+    bias = keras.Variable(np.ones((2,), "float32"))
+    optimizer = {optimizer}(keras.optimizers.SGD(0.1))
+    optimizer.build([kernel, bias])
+
+
+@tf.function
+def step(bad_replica):
+    def replica_step():
+        replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+        value = tf.where(tf.equal(replica, bad_replica), float("inf"), 1.0)
+        optimizer.apply([tf.fill([3, 2], value), tf.ones([2])], [kernel, bias])
+
+    strategy.run(replica_step)
+
+
+for bad_replica in (1, 0, -1):
+    step(tf.constant(bad_replica))
+    print("STEP", bad_replica, int(optimizer.iterations.numpy()),
+          bool(np.all(np.isfinite(kernel.numpy()))))
+"""
+
+
+@pytest.mark.slow  # ~20 s: two subprocesses that start TensorFlow again
+def test_replicas_skip_together_when_one_replica_is_not_finite():
+    """Two logical CPUs. Only replica 1's kernel gradient is inf, then only
+    replica 0's, then neither: tf_als skips the first two steps on both
+    replicas and applies the third. Keras's LossScaleOptimizer is run the
+    same way to show what this guards against: it applies the first step
+    and writes inf into the kernel (if a Keras release fixes that, the
+    second assertion tells, and the guard can go)."""
+    import os
+    import subprocess
+    import sys
+
+    def run(optimizer):
+        result = subprocess.run(
+            [sys.executable, "-c", MIRRORED_DISAGREEMENT.format(optimizer=optimizer)],
+            capture_output=True, text=True, timeout=300,
+            env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+        )
+        lines = [line for line in result.stdout.splitlines() if line.startswith("STEP")]
+        assert len(lines) == 3, result.stderr[-3000:]
+        return lines
+
+    assert run("tf_als.AdaptiveLossScaleOptimizer") == [
+        "STEP 1 0 True", "STEP 0 0 True", "STEP -1 1 True"
+    ]
+    assert run("keras.optimizers.LossScaleOptimizer")[0] == "STEP 1 1 False"
