@@ -148,16 +148,25 @@ def test_weights_equal_the_single_device_run(run):
     _check_weights(run)
 
 
-def test_one_packed_exchange_per_update_and_none_between(run):
-    """tf_als's only collective is one all-gather per replica and trace,
-    of every point's measurement packed in one tensor ([1, points,
-    measurement]), traced inside the update branch (a `tf.cond` taken on
-    update steps only), so between updates nothing is exchanged. Keras's
-    own all-reduces (gradients, synchronized BatchNormalization) are not
-    counted."""
+def test_one_packed_exchange_per_update_and_one_flag_per_step(run):
+    """tf_als's collectives: one all-gather per replica and trace, of every
+    point's measurement packed in one tensor ([1, points, measurement]),
+    traced inside the update branch (a `tf.cond` taken on update steps
+    only); and one all-reduce of a scalar per replica and trace, on every
+    step, so that all replicas agree whether the step's gradients are
+    finite (`tf_als.optimizer._agree_across_replicas`). Keras's gradient
+    all-reduce does not go through the replica context's methods;
+    synchronized BatchNormalization's all-reduces do, of its [1, channels]
+    moments, and are left aside."""
     from tf_als import rule
 
     points = len(run["mirrored"]["scales"])
+    flags = [
+        c for c in run["mirrored"]["collectives"]
+        if c["kind"] == "all_reduce" and c["shapes"] == [[]]
+    ]
+    assert len(flags) == REPLICAS, run["mirrored"]["collectives"]
+    assert not any("cond" in f["graph"] for f in flags), flags
     gathers = [c for c in run["mirrored"]["collectives"] if c["kind"] == "all_gather"]
     assert gathers, run["mirrored"]["collectives"]
     assert len(gathers) % REPLICAS == 0, gathers
