@@ -4,10 +4,13 @@ Trains the tiny KerasHub GPT-2 classifier of `overhead.py` for four steps
 under `MirroredStrategy` on two logical CPUs, once with Keras's
 `LossScaleOptimizer` and once with tf_als, and prints, after each step, the
 loss, the steps applied and the trainable variables that are no longer
-finite. On this project's machine both runs skip their first two steps and
-then write inf into the biases of the output projections that feed the
-residual adds; on one device the same model trains. The failure is Keras's
-and TensorFlow's, not tf_als's, so the overhead benchmark leaves it out.
+finite. On this project's machine both runs skip their first two steps. At
+the third, only the second replica's gradients overflow: Keras decides from
+the first replica's and applies the step, writing inf into the biases of
+the output projections that feed the residual adds; tf_als's replicas agree
+first (one scalar all-reduce per step), skip it, and apply the fourth with
+finite weights. Keras's side of an overhead ratio would time a broken run,
+so the overhead benchmark leaves the model out.
 
     python benchmarks/mirrored_gpt2.py
 """
