@@ -365,7 +365,7 @@ class InstrumentedModel(keras.Model):
         )
         promotions = config.pop("promotions", [])
         instrumented = cls(model, **config)
-        promote.apply(instrumented, promotions)
+        promote.restore(instrumented, promotions)
         return instrumented
 
 

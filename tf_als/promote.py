@@ -125,7 +125,9 @@ def rescue(
                 "differ), so no layer was promoted to float32"
             )
         layer = _layer_at(model.model, culprit)
-        if layer is None or layer.compute_dtype == "float32":
+        if layer is None:
+            return tuple(made), f"layer {culprit!r} is not a layer of the model"
+        if layer.compute_dtype == "float32":
             return tuple(made), (
                 f"layer {culprit!r} overflows even in float32, so promoting "
                 "it cannot help"
@@ -144,7 +146,7 @@ def rescue(
         room -= 1
 
 
-def apply(model: keras.Model, records: Iterable[dict]) -> None:
+def restore(model: keras.Model, records: Iterable[dict]) -> None:
     """Re-applies saved promotions (dicts from `Promotion.as_dict`) that
     `model` does not have yet, in order."""
     for record in list(records)[len(model.promotions):]:
@@ -163,12 +165,12 @@ def apply(model: keras.Model, records: Iterable[dict]) -> None:
 def sync(model: keras.Model) -> None:
     """Applies the promotions of `model.promotion_log` that the model does
     not have yet: after `tf.train.Checkpoint.restore`, which restores the
-    log (a variable) but not the layers' dtype policies. `fit` and
+    log but not the layers' dtype policies. `fit` and
     `promoted` call it; a custom loop that restores a checkpoint calls it
     (or `tf_als.promoted(model)`) before tracing its step."""
     log = getattr(model, "promotion_log", None)
     if log is not None and len(log.records) > len(model.promotions):
-        apply(model, log.records)
+        restore(model, log.records)
 
 
 def _log(model):
