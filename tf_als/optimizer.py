@@ -49,7 +49,9 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     power of two, from counts per binary exponent: no sort), so callbacks
     can report layers whose q the scale could not lift. Under
     `tf.distribute`, replicas exchange their measurements once per update,
-    in one all-gather, and nothing between updates. Weight gradients are
+    in one all-gather; on every step they also sum one scalar so that they
+    skip non-finite steps together (Keras alone decides from the first
+    replica's gradients). Weight gradients are
     unscaled per call, in float32, so the inner optimizer only ever
     receives true float32 gradients.
 
@@ -226,8 +228,8 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         steps from what the backward pass measured (`tf_als.update`).
 
         With several replicas, the points exchange their measurements in
-        one all-gather, inside the update branch, so nothing is exchanged
-        between updates. A replica-context collective is a `merge_call`
+        one all-gather, inside the update branch, so the measurements are
+        not exchanged between updates. A replica-context collective is a `merge_call`
         under Mirrored and MultiWorkerMirrored strategies (unless XLA
         compiles for GPUs only), and a `merge_call` cannot be traced inside
         a `tf.cond` branch; so, as Keras's `LossScaleOptimizer` does for its
