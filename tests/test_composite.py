@@ -130,11 +130,10 @@ def test_fit_measures_every_inner_point(mixed, case, jit_compile):
     "case",
     list(
         _case_params(
-            # One KerasHub task and the composite layers stay in the
-            # default suite.
+            # The composite layers stay in the default suite.
             slow=(
                 "llama_classifier", "bert", "resnet_backbone", "vit",
-                "subclassed", "transformer",
+                "subclassed", "transformer", "gpt2_classifier",
             ),
             cases=architectures.SAVE_CASES,
         )
