@@ -188,8 +188,8 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             # still those the backward pass ran with.
             self._update_scales(model)
         own = list(grads)
-        super().apply(_agree_across_replicas(own), trainable_variables)
-        self._record_first_skip(own)
+        super().apply(_agree_across_replicas(list(own)), trainable_variables)
+        self._record_first_skip(own)  # This replica's own, unpoisoned.
         if tf.executing_eagerly():
             self.check_skips()
 
