@@ -298,8 +298,7 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         the check can pass and the non-finite gradient is applied, leaving
         the embedding NaN for good (seen on a KerasHub Llama with dropout
         0.1 under Keras's `LossScaleOptimizer`)."""
-        flags = [_all_finite(g) for g in grads if g is not None]
-        return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
+        return _grads_finite(grads)
 
     def _record_first_skip(self, grads):
         """After Keras's apply: if this step began a streak of skipped
@@ -544,8 +543,7 @@ def _agree_across_replicas(grads):
     ]
     if not dense:
         return grads
-    flags = [_all_finite(g) for g in grads if g is not None]
-    local_bad = tf.logical_not(tf.reduce_all(tf.stack(flags)))
+    local_bad = tf.logical_not(_grads_finite(grads))
     bad = context.all_reduce(
         tf.distribute.ReduceOp.SUM, tf.cast(local_bad, tf.float32)
     ) > 0.0
@@ -555,3 +553,9 @@ def _agree_across_replicas(grads):
         bad, tf.fill(tf.shape(gradient), tf.constant(float("nan"), gradient.dtype)), gradient
     )
     return grads
+
+
+def _grads_finite(grads) -> tf.Tensor:
+    """Whether every gradient of `grads` (None ones skipped) is finite."""
+    flags = [_all_finite(g) for g in grads if g is not None]
+    return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
