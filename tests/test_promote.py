@@ -172,19 +172,22 @@ def test_past_the_cap_it_stops_listing_what_it_promoted():
     assert [p.layer for p in tf_als.promoted(model)] == ["hot"]
 
 
-def test_a_backward_storm_is_not_promoted():
+def test_a_layer_that_fails_in_float32_too_is_not_promoted():
     """`boom` (tests/test_storms.py) emits inf in its backward pass in any
-    dtype: the loss is finite, so nothing is promoted and the storm error
-    says why."""
+    dtype: it is promoted, found failing the same way in float32, put back,
+    and the storm error says why."""
     from tests import test_storms
 
     model, plain, opt = test_storms.build(max_consecutive_skips=2)
     model.compile(opt, "mse")
     x, y = test_storms.batch(size=4 * test_storms.BATCH)
     test_storms.arm(plain)
-    with pytest.raises(tf_als.NonFiniteStormError, match="only float16 forward overflows"):
+    with pytest.raises(
+        tf_als.NonFiniteStormError, match="layer 'boom' is not finite in float32 either"
+    ):
         model.fit(x, y, batch_size=test_storms.BATCH, epochs=2, verbose=0)
     assert tf_als.promoted(model) == []
+    assert plain.get_layer("boom").compute_dtype == "float16"
 
 
 def test_a_healthy_run_is_bitwise_unchanged():

@@ -6,6 +6,7 @@ when training stops), so its cost, one eager forward pass per batch tried,
 is paid only then.
 """
 
+import contextlib
 from typing import Optional
 
 import keras
@@ -31,9 +32,23 @@ def first_non_finite_output(model, x, training=True) -> Optional[str]:
         if not found and _all_finite(inputs) and not _all_finite(outputs):
             found.append(getattr(layer, "path", None) or layer.name)
 
-    with _keras.layer_calls(check):
+    with preserved(model.non_trainable_variables), _keras.layer_calls(check):
         model(x, training=training)
     return found[0] if found else None
+
+
+@contextlib.contextmanager
+def preserved(variables):
+    """Within this block the `variables` may change; on leaving, they hold
+    their old values again. An eager diagnostic re-run of a training batch
+    keeps BatchNormalization's moving statistics and the dropout seeds as
+    training left them."""
+    saved = [(v, keras.ops.copy(v.value)) for v in variables]
+    try:
+        yield
+    finally:
+        for variable, value in saved:
+            variable.assign(value)
 
 
 def search(model, batches, limit: int = 8, training=True) -> Optional[str]:

@@ -295,8 +295,13 @@ class InstrumentedModel(keras.Model):
         bound = _FIT_SIGNATURE.bind(self, *args, **kwargs)
         arguments = dict(bound.arguments)
         del arguments["self"]
-        inputs = _input_batches(arguments.get("x"), arguments.get("batch_size"))
-        arguments["callbacks"] = _with_guard(arguments.get("callbacks"), inputs)
+        batches = _training_batches(
+            arguments.get("x"),
+            arguments.get("y"),
+            arguments.get("sample_weight"),
+            arguments.get("batch_size"),
+        )
+        arguments["callbacks"] = _with_guard(arguments.get("callbacks"), batches)
         return super().fit(**arguments)
 
     def export(
@@ -378,30 +383,38 @@ def _step_pass(optimizer):
     return None if optimizer is None else optimizer.backward_pass()
 
 
-def _with_guard(callbacks, inputs=None):
+def _with_guard(callbacks, batches=None):
     if isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = callbacks.callbacks
     callbacks = list(callbacks or [])
     if not any(isinstance(c, storm.NonFiniteGuard) for c in callbacks):
-        callbacks.append(storm.NonFiniteGuard(inputs))
+        callbacks.append(storm.NonFiniteGuard(batches=batches))
     return callbacks
 
 
-def _input_batches(x, batch_size):
-    """A callable giving batches of the training inputs `x` (arrays,
-    tensors or structures of them, or a `tf.data.Dataset` of `(x, ...)`)
-    for the guard's eager re-run; None for other inputs (generators, Keras
+def _training_batches(x, y, sample_weight, batch_size):
+    """A callable giving `(x, y, sample_weight)` batches of the training
+    data (arrays, tensors or structures of them, or a `tf.data.Dataset`) for
+    the guard's eager re-run; None for other inputs (generators, Keras
     `PyDataset`s), which cannot be read twice."""
     if isinstance(x, tf.data.Dataset):
-        return lambda: (e[0] if isinstance(e, tuple) else e for e in x)
+        return lambda: (
+            keras.utils.unpack_x_y_sample_weight(e if isinstance(e, tuple) else (e,))
+            for e in x
+        )
     leaves = tree.flatten(x) if x is not None else []
     if not leaves or not all(hasattr(a, "shape") and len(a.shape) for a in leaves):
         return None
     size = int(leaves[0].shape[0])
     step = int(batch_size or 32)
+
+    def cut(structure, i):
+        if structure is None:
+            return None
+        return tree.map_structure(lambda a: a[i : i + step], structure)
+
     return lambda: (
-        tree.map_structure(lambda a, i=i: a[i : i + step], x)
-        for i in range(0, size, step)
+        (cut(x, i), cut(y, i), cut(sample_weight, i)) for i in range(0, size, step)
     )
 
 

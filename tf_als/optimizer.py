@@ -84,15 +84,22 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             model and eager loops check on their own; compiled custom loops
             call `check_skips()` after each step. None never stops, as
             Keras's `LossScaleOptimizer`.
-        promote_on_storm: bool, default True. When such a streak began with
-            a loss that was not finite (the float16 forward pass overflowed,
-            which no loss scale can cure), re-run the training batches
-            eagerly, switch the first layer whose float16 output is not
-            finite to float32 (`tf_als.promote`: at most 10% of the layers
-            with weights), put the global scale back where it was before the
-            streak, and train on instead of raising. It acts only where the
-            storm error would be raised, so a run that never reaches
-            `max_consecutive_skips` is unchanged; with
+        promote_on_storm: bool, default True. Where the run would stop
+            (`max_consecutive_skips` skips in a row) or stall (as many
+            skips within twice that many steps), find the layer whose
+            float16 arithmetic fails and switch it to float32
+            (`tf_als.promote`: at most 10% of the layers with weights),
+            put the global scale back where it was before the skips, and
+            train on. The layer is found by re-running training batches
+            eagerly: when the loss was not finite, the first layer whose
+            float16 output is not finite; when only the gradients were,
+            the first layer (walking from the loss) whose float16 backward
+            pass turns a finite gradient into a non-finite one, at the
+            global scale the run fell to, or the layer whose float16 output
+            cannot carry the loss's gradient (a float16 softmax under a
+            cross-entropy). When nothing can be promoted, consecutive skips
+            raise the storm error and frequent ones warn once. A run that
+            never skips that often is unchanged; with
             `max_consecutive_skips=None` it never acts.
         name: str, optional name.
 
@@ -159,6 +166,7 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         )
         self.promote_on_storm = promote_on_storm
         self._warned_plain = False
+        self._gave_up_on_window = False  # Frequent skips: warned once.
 
     def build(self, var_list):
         super().build(var_list)
@@ -170,6 +178,10 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.consecutive_skips = self._int_variable((), 0, "consecutive_skips")
         self.loss_finite = self._int_variable((), -1, "loss_finite")
         self.first_non_finite = self._int_variable((3,), -1, "first_non_finite")
+        # Steps and skipped steps in the current window of
+        # 2 * max_consecutive_skips steps (the frequent-skips trigger).
+        self.window_steps = self._int_variable((), 0, "window_steps")
+        self.window_skips = self._int_variable((), 0, "window_skips")
 
     def _int_variable(self, shape, value, name):
         return self.add_variable(
@@ -332,32 +344,47 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def _stateful_handle_finite_grads(self, grads, trainable_variables):
         super()._stateful_handle_finite_grads(grads, trainable_variables)
         self.consecutive_skips.assign(0)
+        self._count_window(skipped=0)
 
     def _stateful_handle_non_finite_grads(self):
         super()._stateful_handle_non_finite_grads()
         self.consecutive_skips.assign_add(1)
+        self._count_window(skipped=1)
+
+    def _count_window(self, skipped):
+        """Counts this step, and whether it was skipped, in the current
+        window of 2 * max_consecutive_skips steps (a new window starts
+        once one is full)."""
+        if self.max_consecutive_skips is None:
+            return
+        full = self.window_steps >= 2 * self.max_consecutive_skips
+        self.window_skips.assign(tf.where(full, 0, self.window_skips) + skipped)
+        self.window_steps.assign(tf.where(full, 0, self.window_steps) + 1)
 
     def check_skips(
         self,
         attempted: int | None = None,
         batches: Callable[[], Iterable] | None = None,
+        loss: Callable | None = None,
     ) -> list:
         """Acts when the last `max_consecutive_skips` steps were all
-        skipped: promotes the layer whose float16 forward pass overflows to
-        float32 (see `promote_on_storm`), or raises
-        `tf_als.storm.NonFiniteStormError`.
+        skipped, or as many steps within twice that many: promotes the
+        layer whose float16 arithmetic fails to float32 (see
+        `promote_on_storm`); else raises `tf_als.storm.NonFiniteStormError`
+        for the consecutive skips, or warns once for the frequent ones.
 
-        `fit` on an instrumented model calls it after every batch (and
-        retraces its train function after a promotion); eager loops call it
-        from `apply` (without batches: they stop with the error). Call it
-        after each step of a compiled (`tf.function`) custom loop, and make
-        the function again when it promoted a layer:
+        `fit` on an instrumented model calls it after every batch with the
+        training batches and the compiled loss (and retraces its train
+        function after a promotion); eager loops call it from `apply`
+        (without batches: they stop with the error). Call it after each
+        step of a compiled (`tf.function`) custom loop, and make the
+        function again when it promoted a layer:
 
         ```python
         step = tf.function(train_step)
         for x, y in dataset:
             step(x, y)                # calls optimizer.apply()
-            if optimizer.check_skips(batches=lambda: [x]):
+            if optimizer.check_skips(batches=lambda: [(x, y)], loss=loss_fn):
                 step = tf.function(train_step)   # trace the float32 layer
         ```
 
@@ -365,10 +392,13 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             attempted: how many batches the loop has run, if known; the
                 message then counts steps as the loop does (skipped ones
                 included).
-            batches: a callable returning an iterable of training input
-                batches to re-run eagerly when the loss itself was not
-                finite (the forward pass is searched on up to 8 of them);
-                without it nothing is promoted.
+            batches: a callable returning an iterable of training batches
+                to re-run eagerly (up to 8 of them): input batches, or,
+                with `loss`, `(x, y)` or `(x, y, sample_weight)` tuples.
+                Without it nothing is promoted.
+            loss: `loss(y_true, y_pred)` (or with `sample_weight=`), the
+                training loss; needed to re-run the backward pass when the
+                loss was finite and the gradients were not.
 
         Returns:
             The `tf_als.promote.Promotion`s this call made (usually none).
@@ -376,32 +406,61 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if self.max_consecutive_skips is None or not self.built:
             return []
         skips = int(keras.ops.convert_to_numpy(self.consecutive_skips))
-        if skips < self.max_consecutive_skips:
-            return []
-        made, why = self._promote(batches)
-        if made:
-            self._resume_after_storm(skips)
-            return list(made)
-        message = storm.describe(self, skips, attempted)
-        if why is not None:
-            message += f" promote_on_storm: {why}."
-        raise storm.NonFiniteStormError(message)
+        if skips >= self.max_consecutive_skips:
+            made, why = self._promote(batches, loss)
+            if made:
+                self._resume_after_storm(skips)
+                return list(made)
+            message = storm.describe(self, skips, attempted)
+            if why is not None:
+                message += f" promote_on_storm: {why}."
+            raise storm.NonFiniteStormError(message)
+        window = int(keras.ops.convert_to_numpy(self.window_skips))
+        if window >= self.max_consecutive_skips and not self._gave_up_on_window:
+            return self._promote_on_frequent_skips(window, batches, loss)
+        return []
 
-    def _promote(self, batches):
+    def _promote_on_frequent_skips(self, window, batches, loss):
+        """Half the steps of the window skipped, not in a row (a layer that
+        overflows on some batches): promote, or say once why not."""
+        made, why = self._promote(batches, loss)
+        if made:
+            self._resume_after_storm(window)
+            return list(made)
+        self._gave_up_on_window = True
+        steps = int(keras.ops.convert_to_numpy(self.window_steps))
+        warnings.warn(
+            f"{window} of the last {steps} training steps were skipped "
+            "because their gradients were not finite; the global loss scale "
+            "keeps halving and most gradients may underflow. "
+            + (f"promote_on_storm: {why}. " if why else "")
+            + "Run tf_als.diagnose(model, x, y) on a batch to see where.",
+            stacklevel=3,
+        )
+        return []
+
+    def _promote(self, batches, loss):
         """(promotions made, why none or not enough) for the storm now."""
         model = link.model_of(self)
         if not self.promote_on_storm or model is None:
             return (), None
-        if int(keras.ops.convert_to_numpy(self.first_non_finite)[2]) != 0:
+        if batches is None:
+            return (), "no training batches were given to re-run"
+        step = int(keras.ops.convert_to_numpy(self.iterations))
+        if int(keras.ops.convert_to_numpy(self.first_non_finite)[2]) == 0:
+            inputs = batches if loss is None else _inputs_of(batches)
+            made, why = promote.rescue(model, inputs, step)
+        elif loss is None:
             return (), (
                 "the loss was finite at the first skipped step, so the "
-                "forward pass did not overflow; only float16 forward "
-                "overflows are promoted"
+                "backward pass failed, and re-running it needs the loss "
+                "(pass `loss=` and batches of `(x, y)` to check_skips)"
             )
-        if batches is None:
-            return (), "no training batches were given to re-run the forward pass"
-        step = int(keras.ops.convert_to_numpy(self.iterations))
-        made, why = promote.rescue(model, batches, step)
+        else:
+            scale = float(keras.ops.convert_to_numpy(self.dynamic_scale))
+            made, why = promote.rescue_backward(
+                model, _triples_of(batches), _loss_function(loss), scale, step
+            )
         for promotion in made:
             warnings.warn(
                 f"tf_als promoted layer {promotion.layer!r} to float32 at step "
@@ -418,12 +477,14 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def _resume_after_storm(self, skips):
         """After a promotion: the global scale goes back to where it was
-        before the streak (the skips were the layer's fault, not the
-        scale's), and the streak is forgotten."""
+        before the skips (they were the layer's fault, not the scale's),
+        and the skip counts are forgotten."""
         scale = float(keras.ops.convert_to_numpy(self.dynamic_scale))
         self.dynamic_scale.assign(min(self.initial_scale, scale * 2.0**skips))
         self.step_counter.assign(0)
         self.consecutive_skips.assign(0)
+        self.window_steps.assign(0)
+        self.window_skips.assign(0)
         self.loss_finite.assign(-1)
         self.first_non_finite.assign([-1, -1, -1])
 
@@ -553,6 +614,33 @@ def _agree_across_replicas(grads):
         bad, tf.fill(tf.shape(gradient), tf.constant(float("nan"), gradient.dtype)), gradient
     )
     return grads
+
+
+def _triples_of(batches):
+    """`batches` of `(x, y)` or `(x, y, sample_weight)` as triples."""
+    return lambda: (
+        keras.utils.unpack_x_y_sample_weight(tuple(b)) for b in batches()
+    )
+
+
+def _inputs_of(batches):
+    """The inputs of `batches` of `(x, y[, sample_weight])`."""
+    return lambda: (x for x, _, _ in _triples_of(batches)())
+
+
+def _loss_function(loss):
+    """`loss(y, y_pred[, sample_weight=])` as `(x, y, y_pred, sample_weight)
+    -> scalar`, reduced to the batch mean as `compile` reduces a
+    per-sample loss."""
+
+    def loss_fn(x, y, y_pred, sample_weight):
+        if sample_weight is None:
+            value = loss(y, y_pred)
+        else:
+            value = loss(y, y_pred, sample_weight=sample_weight)
+        return tf.reduce_mean(tf.cast(value, tf.float32))
+
+    return loss_fn
 
 
 def _grads_finite(grads) -> tf.Tensor:

@@ -156,12 +156,18 @@ class NonFiniteGuard(keras.callbacks.Callback):
 
     When the loss itself was not finite at the first skipped step, the
     guard re-runs the model eagerly on up to 8 batches of `inputs` (the
-    training inputs; `fit` on an instrumented model passes them) and adds
-    to the error the first layer whose float16 output is not finite.
+    training inputs) and adds to the error the first layer whose float16
+    output is not finite. With `batches` (`(x, y, sample_weight)` training
+    batches; `fit` on an instrumented model passes them), the optimizer can
+    also re-run the backward pass with the model's compiled loss, to
+    promote a layer whose backward pass fails (`promote_on_storm`).
 
     Args:
         inputs: optional; a callable returning an iterable of input
             batches (without targets) to re-run.
+        batches: optional; a callable returning an iterable of
+            `(x, y, sample_weight)` training batches (it supersedes
+            `inputs`).
 
     Example:
 
@@ -170,14 +176,18 @@ class NonFiniteGuard(keras.callbacks.Callback):
     ```
     """
 
-    def __init__(self, inputs=None):
+    def __init__(self, inputs=None, batches=None):
         super().__init__()
-        if inputs is not None and not callable(inputs):
-            raise TypeError(
-                "`inputs` must be a callable returning input batches, or "
-                f"None; received {type(inputs).__name__}."
-            )
+        for name, value in (("inputs", inputs), ("batches", batches)):
+            if value is not None and not callable(value):
+                raise TypeError(
+                    f"`{name}` must be a callable returning batches, or "
+                    f"None; received {type(value).__name__}."
+                )
+        if batches is not None:
+            inputs = lambda: (b[0] for b in batches())  # noqa: E731
         self._input_batches = inputs
+        self._training_batches = batches
         self._batches = 0
 
     def on_train_begin(self, logs=None):
@@ -189,8 +199,12 @@ class NonFiniteGuard(keras.callbacks.Callback):
         check = getattr(optimizer, "check_skips", None)
         if check is None:
             return
+        if self._training_batches is not None:
+            batches, loss = self._training_batches, self._compiled_loss
+        else:
+            batches, loss = self._input_batches, None
         try:
-            promoted = check(attempted=self._batches, batches=self._input_batches)
+            promoted = check(attempted=self._batches, batches=batches, loss=loss)
         except NonFiniteStormError as error:
             hint = self._forward_hint(optimizer)
             if hint is None:
@@ -199,6 +213,9 @@ class NonFiniteGuard(keras.callbacks.Callback):
         if promoted:
             # The next batch traces the promoted layers in float32.
             self.model.make_train_function(force=True)
+
+    def _compiled_loss(self, y, y_pred, sample_weight=None):
+        return self.model.compute_loss(y=y, y_pred=y_pred, sample_weight=sample_weight)
 
     def _forward_hint(self, optimizer):
         loss_finite = int(keras.ops.convert_to_numpy(optimizer.first_non_finite)[2])
