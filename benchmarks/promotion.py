@@ -1,17 +1,25 @@
-"""A run whose float16 forward pass overflows: float32, Keras's
-`LossScaleOptimizer`, and tf_als with `promote_on_storm` (its default).
+"""Runs whose float16 arithmetic fails in one layer at any loss scale:
+float32, Keras's `LossScaleOptimizer`, and tf_als with `promote_on_storm`
+(its default).
 
-The model is `tests/test_promote.py`'s: first -> hot -> head, where `hot` is
-a Dense with a softmax whose logits carry a common offset of 1e5 (softmax
-ignores it; float16 cannot hold it). The runs start from the same weights
-and see the same batches; a fourth trains float32 for only as many steps
-as tf_als applied. For each it prints and writes
-(`benchmarks/results/promotion.md` and `.json`): steps applied and lost,
-the final loss on the training data, and for tf_als the step of the
-promotion and the wall time of the batch that retraced the train function,
-next to the median batch.
+Two scenarios:
 
-    python benchmarks/promotion.py            # ~1 min on 2 CPU cores
+- forward: `tests/test_promote.py`'s model, first -> hot -> head, where
+  `hot` is a Dense with a softmax whose logits carry a common offset of 1e5
+  (softmax ignores it; float16 cannot hold it). Adam(1e-2).
+- backward: `tests/test_promote_backward.py`'s model, first -> temperature
+  -> norm -> head, where `temperature` divides by a learned t = 2**-8: the
+  forward pass fits float16, but the gradient of t is formed through
+  (-x / t) / t = x * 2**16, inf in float16 for |x| >= 1. SGD(0.1).
+
+In each, the runs start from the same weights and see the same batches; a
+fourth trains float32 for only as many steps as tf_als applied. For each it
+prints and writes (`benchmarks/results/promotion.md` and `.json`): steps
+applied and lost, the final loss on the training data, and for tf_als the
+step of the promotion and the wall time of the batch after it (the eager
+search and the retrace of the train function), next to the median batch.
+
+    python benchmarks/promotion.py            # ~2 min on 2 CPU cores
 """
 
 import json
@@ -26,7 +34,7 @@ BATCH = 16
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
-def build(keras, policy):
+def build_forward(keras, policy):
     keras.mixed_precision.set_global_policy(policy)
     keras.utils.set_random_seed(0)
     inputs = keras.Input((8,))
@@ -39,6 +47,34 @@ def build(keras, policy):
     return model
 
 
+def build_backward(keras, policy):
+    class Temperature(keras.layers.Layer):
+        """y = x / t, with a learned scalar temperature t = 2**-8."""
+
+        def build(self, input_shape):
+            self.t = self.add_weight(
+                shape=(), initializer=keras.initializers.Constant(2.0**-8), name="t"
+            )
+
+        def call(self, x):
+            return x / keras.ops.cast(self.t, x.dtype)
+
+    keras.mixed_precision.set_global_policy(policy)
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    x = keras.layers.Dense(16, name="first")(inputs)
+    x = Temperature(name="temperature")(x)
+    x = keras.layers.LayerNormalization(name="norm")(x)
+    outputs = keras.layers.Dense(4, dtype="float32", name="head")(x)
+    return keras.Model(inputs, outputs)
+
+
+SCENARIOS = {
+    "forward": (build_forward, lambda keras: keras.optimizers.Adam(1e-2)),
+    "backward": (build_backward, lambda keras: keras.optimizers.SGD(0.1)),
+}
+
+
 def data():
     import numpy as np
 
@@ -48,14 +84,15 @@ def data():
     return x, y
 
 
-def run(variant, steps=STEPS):
+def run(scenario, variant, steps=STEPS):
     import keras
     import numpy as np
 
     import tf_als
 
+    build, make_inner = SCENARIOS[scenario]
     model = build(keras, "mixed_float16" if variant in ("keras", "tf_als") else "float32")
-    inner = keras.optimizers.Adam(1e-2)
+    inner = make_inner(keras)
     optimizer = {
         "float32": lambda: inner,
         "float32, tf_als's applied steps": lambda: inner,
@@ -65,19 +102,23 @@ def run(variant, steps=STEPS):
     if variant == "tf_als":
         model = tf_als.instrument(model)
     model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    times = []
+    times, gaps = [], []
 
     class Timer(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch, logs=None):
             self.began = time.perf_counter()
+            if times:
+                gaps.append(self.began - self.ended)
 
         def on_train_batch_end(self, batch, logs=None):
-            times.append(time.perf_counter() - self.began)
+            self.ended = time.perf_counter()
+            times.append(self.ended - self.began)
 
     x, y = data()
     epochs = steps * BATCH // len(x)
     # An instrumented model's fit adds its guard after the timer: the
-    # promotion and the retrace it asks for land in the next batch's time.
+    # search and promotion land between two batches, the retrace in the
+    # next batch's time.
     model.fit(
         x, y, batch_size=BATCH, epochs=epochs, verbose=0, shuffle=False,
         callbacks=[Timer()],
@@ -96,8 +137,9 @@ def run(variant, steps=STEPS):
         result.update(
             promoted=promotion.layer,
             promotion_step=promotion.step,
-            # Batches 0..k-1 were skipped; the guard promoted after batch
-            # k-1, so batch k retraced.
+            # Batches 0..k-1 were skipped; the guard searched and promoted
+            # after batch k-1, so batch k retraced.
+            search_seconds=gaps[result["lost"] - 1],
             retrace_batch_seconds=times[result["lost"]],
         )
     return result
@@ -105,14 +147,16 @@ def run(variant, steps=STEPS):
 
 def table(results):
     lines = [
-        "| run | steps | applied | lost | final loss | median batch (s) | retrace batch (s) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| run | steps | applied | lost | final loss | median batch (s) | search (s) | retrace batch (s) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
+        search = r.get("search_seconds")
         retrace = r.get("retrace_batch_seconds")
         lines.append(
             f"| {r['variant']} | {r['steps']} | {r['applied']} | {r['lost']} | "
             f"{r['final_loss']:.4f} | {r['median_batch_seconds']:.4f} | "
+            f"{'-' if search is None else f'{search:.2f}'} | "
             f"{'-' if retrace is None else f'{retrace:.2f}'} |"
         )
     return "\n".join(lines)
@@ -122,17 +166,23 @@ def main():
     import warnings
 
     warnings.simplefilter("ignore", UserWarning)
-    results = [run(v) for v in ("float32", "keras", "tf_als")]
-    # float32 trained for as many steps as tf_als applied (the batches are
-    # the same every epoch, and tf_als lost whole epochs).
-    results.append(run("float32, tf_als's applied steps", results[2]["applied"]))
-    text = table(results)
-    promoted = results[2]
-    text += (
-        f"\n\ntf_als promoted {promoted['promoted']!r} at step "
-        f"{promoted['promotion_step']} (after {promoted['lost']} skipped "
-        "steps: max_consecutive_skips).\n"
-    )
+    texts, everything = [], {}
+    for scenario in SCENARIOS:
+        results = [run(scenario, v) for v in ("float32", "keras", "tf_als")]
+        # float32 trained for as many steps as tf_als applied (the batches
+        # are the same every epoch, and tf_als lost whole epochs).
+        results.append(
+            run(scenario, "float32, tf_als's applied steps", results[2]["applied"])
+        )
+        promoted = results[2]
+        texts.append(
+            f"## {scenario}\n\n{table(results)}\n\ntf_als promoted "
+            f"{promoted['promoted']!r} at step {promoted['promotion_step']} "
+            f"(after {promoted['lost']} skipped steps: max_consecutive_skips).\n"
+        )
+        everything[scenario] = results
+    text = "\n".join(texts)
+    results = everything
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "promotion.md"), "w") as handle:
         handle.write(text)

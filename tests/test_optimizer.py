@@ -371,11 +371,13 @@ def _state(optimizer):
 
 def _parent_variables(optimizer):
     """The variables Keras's LossScaleOptimizer also has, in its order
-    (tf_als adds its skip counter, the loss flag and the record)."""
+    (tf_als adds its skip counters, the loss flag and the record)."""
     extra = {
         id(optimizer.consecutive_skips),
         id(optimizer.loss_finite),
         id(optimizer.first_non_finite),
+        id(optimizer.window_steps),
+        id(optimizer.window_skips),
     }
     return [v for v in optimizer.variables if id(v) not in extra]
 

@@ -273,7 +273,7 @@ import keras
 import numpy as np
 keras.mixed_precision.set_global_policy("mixed_float16")
 import tf_als
-from test_promote import BATCH, build, data, loss_fn, optimizer
+from {module} import BATCH, build, data, loss_fn, optimizer
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 with strategy.scope():
     model = tf_als.instrument(build())
@@ -292,18 +292,25 @@ print("REPLICAS_EQUAL", True)
 """
 
 
-@pytest.mark.slow  # ~30 s: a subprocess that starts TensorFlow again
-def test_mirrored_replicas_promote_the_same_layer_at_the_same_step():
+@pytest.mark.slow  # ~30 s each: a subprocess that starts TensorFlow again
+@pytest.mark.parametrize(
+    "module, layer, skips",
+    [("test_promote", "hot", SKIPS), ("test_promote_backward", "temperature", 4)],
+    ids=["forward", "backward"],
+)
+def test_mirrored_replicas_promote_the_same_layer_at_the_same_step(module, layer, skips):
     """Two logical CPUs (in a subprocess: devices must be split before
     TensorFlow starts). Promotion happens on the host, on the one layer
-    object every replica runs, so both replicas compute `hot` in float32
-    from the same step on and end with equal weights."""
+    object every replica runs, so both replicas compute the layer (`hot`,
+    whose forward pass fails in float16, or `temperature`, whose backward
+    pass does) in float32 from the same step on and end with equal
+    weights."""
     import subprocess
     import sys
 
     tests = os.path.dirname(os.path.abspath(__file__))
     result = subprocess.run(
-        [sys.executable, "-c", MIRRORED_PROMOTION.format(tests=tests)],
+        [sys.executable, "-c", MIRRORED_PROMOTION.format(tests=tests, module=module)],
         capture_output=True, text=True, timeout=300,
         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
     )
@@ -312,6 +319,6 @@ def test_mirrored_replicas_promote_the_same_layer_at_the_same_step():
         if line.split(" ", 1)[0] in ("PROMOTED", "ITERATIONS", "FINITE", "REPLICAS_EQUAL")
     )
     assert "REPLICAS_EQUAL" in lines, result.stderr[-3000:]
-    assert lines["PROMOTED"] == "[('hot', 0)]"
-    assert lines["ITERATIONS"] == str(3 * 4 - SKIPS)
+    assert lines["PROMOTED"] == f"[('{layer}', 0)]"
+    assert lines["ITERATIONS"] == str(3 * 4 - skips)
     assert lines["FINITE"] == "True"

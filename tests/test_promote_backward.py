@@ -18,7 +18,9 @@ import pytest
 import tensorflow as tf
 
 import tf_als
+from tests import architectures
 from tf_als import backward_search
+from tf_als import forward
 from tf_als import promote
 
 layers = keras.layers
@@ -29,7 +31,6 @@ BATCH = 16
 SKIPS = 4
 
 
-@keras.saving.register_keras_serializable(package="tf_als_tests")
 class Temperature(layers.Layer):
     """y = x / t, with a learned scalar temperature t."""
 
@@ -150,7 +151,12 @@ def _reference_loss(applied_from, x, y):
     return reference.evaluate(x, y, verbose=0)
 
 
-def test_fit_promotes_the_layer_and_trains_like_float32():
+@pytest.mark.parametrize(
+    "jit_compile",
+    [False, pytest.param(True, marks=pytest.mark.slow)],
+    ids=["graph", "xla"],
+)
+def test_fit_promotes_the_layer_and_trains_like_float32(jit_compile):
     """The run skips its first SKIPS steps, promotes `temperature`, and
     trains on at the global scale it started with. Its loss is within 2%
     of float32's after the same applied steps (the issue's bound; measured
@@ -158,7 +164,7 @@ def test_fit_promotes_the_layer_and_trains_like_float32():
     differs)."""
     x, y = data()
     model = tf_als.instrument(build())
-    model.compile(optimizer(), loss_fn())
+    model.compile(optimizer(), loss_fn(), jit_compile=jit_compile)
     with pytest.warns(UserWarning, match="promoted layer 'temperature' to float32"):
         model.fit(x, y, batch_size=BATCH, epochs=STEPS // 4, verbose=0, shuffle=False)
     assert tf_als.promoted(model) == [
@@ -175,6 +181,20 @@ def test_fit_promotes_the_layer_and_trains_like_float32():
     expected = _reference_loss(SKIPS, x, y)
     got = model.evaluate(x, y, verbose=0)
     assert abs(got - expected) <= 0.02 * expected, (got, expected)
+
+
+def test_fit_on_a_dataset_with_sample_weights_promotes_too():
+    """The guard re-runs `(x, y, sample_weight)` elements of a
+    `tf.data.Dataset` with the compiled loss."""
+    x, y = data()
+    weights = np.linspace(0.5, 1.5, len(x)).astype("float32")
+    dataset = tf.data.Dataset.from_tensor_slices((x, y, weights)).batch(BATCH)
+    model = tf_als.instrument(build())
+    model.compile(optimizer(), loss_fn())
+    with pytest.warns(UserWarning, match="promoted layer 'temperature'"):
+        model.fit(dataset, epochs=3, verbose=0)
+    assert [p.layer for p in tf_als.promoted(model)] == ["temperature"]
+    assert int(model.optimizer.iterations.numpy()) == 3 * 4 - SKIPS
 
 
 def test_without_promotion_it_stops_naming_the_layer():
@@ -283,3 +303,30 @@ def test_a_custom_loop_without_the_loss_says_what_is_missing():
         for _ in range(SKIPS):
             step(x[:BATCH], y[:BATCH])
             opt.check_skips(batches=lambda: [x[:BATCH]])
+
+
+def _oracle_cases():
+    for case in architectures.ALL_CASES:
+        marks = [pytest.mark.slow] if case.slow else []
+        yield pytest.param(case, id=case.name, marks=marks)
+
+
+@pytest.mark.parametrize("case", _oracle_cases())
+def test_no_healthy_model_has_a_layer_to_blame(case):
+    """Promotion acts on what the eager searches blame, and only after
+    `max_consecutive_skips` halvings of the global scale (from 2**15 to
+    2**-17 at the default 32, where a healthy model's float16 gradients
+    mostly underflow and none overflows). On every model of the gradient
+    oracle, the searches blame nothing even at a unit loss scale, with
+    the true gradients: a healthy run has nothing to promote."""
+    _, mixed = case.build_pair()
+    x, y = case.data()
+
+    def loss(x, y, y_pred, sample_weight):
+        return case.loss(y, y_pred)
+
+    found = backward_search.first_non_finite_gradient(
+        mixed, loss, (x, y, None), 1.0, training=case.training
+    )
+    assert found is None, found
+    assert forward.first_non_finite_output(mixed, x, training=case.training) is None
