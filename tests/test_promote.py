@@ -167,7 +167,10 @@ def test_past_the_cap_it_stops_listing_what_it_promoted():
     with pytest.raises(tf_als.NonFiniteStormError) as caught:
         model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0)
     message = str(caught.value)
-    assert "layer 'hotter' would also need float32, past the cap of 1" in message
+    assert (
+        f"layer 'hotter' would also need float32 ({promote.FORWARD}), past the cap of 1"
+        in message
+    )
     assert "promoted so far: 'hot'" in message
     assert [p.layer for p in tf_als.promoted(model)] == ["hot"]
 

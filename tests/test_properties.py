@@ -537,7 +537,7 @@ def oracle_examples(test):
 
 
 @examples
-@_settings(examples=25)
+@_settings(examples=12)  # 100 more in the slow suite
 @hypothesis.given(graph=graphs(), seed=SEEDS)
 def test_forward_is_bitwise_equal(graph, seed):
     check_forward_is_bitwise_equal(graph, seed)
@@ -545,7 +545,7 @@ def test_forward_is_bitwise_equal(graph, seed):
 
 @pytest.mark.parametrize("factor", FACTORS)
 @oracle_examples
-@_settings(examples=16)
+@_settings(examples=10)  # 60 more per factor in the slow suite
 @hypothesis.given(graph=graphs(), seed=SEEDS)
 def test_gradient_oracle(graph, seed, factor):
     # Eager steps: for models this small, tracing the instrumented backward

@@ -82,8 +82,10 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             skipped step (32 halvings take the default scale 2**15 down to
             2**-17; a healthy run needs a handful). `fit` on an instrumented
             model and eager loops check on their own; compiled custom loops
-            call `check_skips()` after each step. None never stops, as
-            Keras's `LossScaleOptimizer`.
+            call `check_skips()` after each step. As many skips within
+            twice as many steps, not in a row, warn once instead (the run
+            goes on, at a global scale that keeps halving). None never
+            stops or warns, as Keras's `LossScaleOptimizer`.
         promote_on_storm: bool, default True. Where the run would stop
             (`max_consecutive_skips` skips in a row) or stall (as many
             skips within twice that many steps), find the layer whose
