@@ -14,11 +14,12 @@ with a hand-written training step compiled by `tf.function`:
 Keras's own `LossScaleOptimizer`; the per-layer scales are removed inside
 the backward pass. `ScaleHistory.record_step()` after each step records the
 scale updates, as the callback does under `fit`, and
-`optimizer.check_skips(batches=...)` acts when `max_consecutive_skips` steps
-in a row were skipped (a compiled step cannot do it by itself; `fit` does
-this check for you): it promotes a layer whose float16 forward pass
-overflows to float32 and returns it (make the step again), or stops the
-loop with a `tf_als.NonFiniteStormError`.
+`optimizer.check_skips(batches=..., loss=...)` acts when
+`max_consecutive_skips` steps in a row, or as many within twice that many,
+were skipped (a compiled step cannot do it by itself; `fit` does this check
+for you): it promotes a layer whose float16 forward or backward pass fails
+to float32 and returns it (make the step again), or stops the loop with a
+`tf_als.NonFiniteStormError`.
 
 Run:
 
@@ -129,10 +130,11 @@ def main(argv=None) -> dict:
         for x, y in batches:
             mean_loss.update_state(train_step(x, y))
             history.record_step()
-            # Stops a run whose steps are all skipped; or, when the float16
-            # forward pass overflowed, promotes the layer to float32 and
-            # returns it: trace the step again so that it computes in float32.
-            if optimizer.check_skips(batches=lambda x=x: [x]):
+            # Stops a run whose steps are all skipped; or, when a layer's
+            # float16 forward or backward pass failed, promotes it to
+            # float32 and returns it: trace the step again so that it
+            # computes in float32.
+            if optimizer.check_skips(batches=lambda x=x, y=y: [(x, y)], loss=loss_fn):
                 train_step = make_train_step(model, optimizer, loss_fn)
         epoch_losses.append(float(mean_loss.result()))
         print(f"epoch {epoch + 1}/{args.epochs}: loss {epoch_losses[-1]:.4f}, "

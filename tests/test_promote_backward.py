@@ -287,6 +287,37 @@ def test_a_compiled_custom_loop_promotes_with_the_loss():
     assert int(opt.iterations.numpy()) == 8 - SKIPS
 
 
+def test_an_eager_loop_that_checks_promotes_too():
+    """An eager loop that calls check_skips with batches takes the check
+    over from `apply` (which has no batch to re-run)."""
+    x, y = data()
+    model = tf_als.instrument(build())
+    opt = optimizer()
+    loss = loss_fn()
+    promoted = []
+    for _ in range(8):
+        xb, yb = x[:BATCH], y[:BATCH]
+        with tf.GradientTape() as tape:
+            scaled = opt.scale_loss(loss(yb, model(xb, training=True)))
+        opt.apply(tape.gradient(scaled, model.trainable_variables), model.trainable_variables)
+        promoted += opt.check_skips(batches=lambda: [(xb, yb)], loss=loss)
+    assert [p.layer for p in promoted] == ["temperature"]
+    assert int(opt.iterations.numpy()) == 8 - SKIPS
+
+
+def test_an_eager_loop_that_does_not_check_stops_in_apply():
+    x, y = data()
+    model = tf_als.instrument(build())
+    opt = optimizer()
+    loss = loss_fn()
+    with pytest.raises(tf_als.NonFiniteStormError, match="no training batches"):
+        for _ in range(SKIPS):
+            with tf.GradientTape() as tape:
+                scaled = opt.scale_loss(loss(y[:BATCH], model(x[:BATCH], training=True)))
+            grads = tape.gradient(scaled, model.trainable_variables)
+            opt.apply(grads, model.trainable_variables)
+
+
 def test_a_custom_loop_without_the_loss_says_what_is_missing():
     x, y = data()
     model = tf_als.instrument(build())

@@ -169,6 +169,9 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.promote_on_storm = promote_on_storm
         self._warned_plain = False
         self._gave_up_on_window = False  # Frequent skips: warned once.
+        # Set once a loop calls check_skips with batches: an eager `apply`
+        # then leaves the check (and the promotion) to the loop.
+        self._loop_checks = False
 
     def build(self, var_list):
         super().build(var_list)
@@ -204,7 +207,7 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         own = list(grads)
         super().apply(_agree_across_replicas(list(own)), trainable_variables)
         self._record_first_skip(own)  # This replica's own, unpoisoned.
-        if tf.executing_eagerly():
+        if tf.executing_eagerly() and not self._loop_checks:
             self.check_skips()
 
     @property
@@ -377,10 +380,11 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
         `fit` on an instrumented model calls it after every batch with the
         training batches and the compiled loss (and retraces its train
-        function after a promotion); eager loops call it from `apply`
-        (without batches: they stop with the error). Call it after each
-        step of a compiled (`tf.function`) custom loop, and make the
-        function again when it promoted a layer:
+        function after a promotion). An eager loop's `apply` calls it
+        without batches (a storm stops with the error) until the loop
+        calls it with batches itself; from then on the loop checks. Call
+        it after each step of a compiled (`tf.function`) custom loop, and
+        make the function again when it promoted a layer:
 
         ```python
         step = tf.function(train_step)
@@ -405,6 +409,8 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         Returns:
             The `tf_als.promote.Promotion`s this call made (usually none).
         """
+        if batches is not None:
+            self._loop_checks = True
         if self.max_consecutive_skips is None or not self.built:
             return []
         skips = int(keras.ops.convert_to_numpy(self.consecutive_skips))
