@@ -15,7 +15,6 @@ import time
 import warnings
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 sys.path.insert(0, ".")
