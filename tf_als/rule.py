@@ -264,7 +264,22 @@ def choose_scale(
     >>> float(choose_scale(stats, 1.0, 2.0**15, 2.0**12))
     1.0
     """
-    amax = tf.cast(statistics.amax, tf.float32) * tf.cast(backoff, tf.float32)
+    return choose_scale_from_amax(
+        statistics.amax, current_scale, max_layer_scale, overflow_margin,
+        backoff, inherited,
+    )
+
+
+def choose_scale_from_amax(
+    amax, current_scale, max_layer_scale, overflow_margin, backoff=1.0, inherited=1.0
+) -> tf.Tensor:
+    """`choose_scale` from the one statistic it reads, the incoming
+    gradient's amax (the update's walk over the points carries only it).
+
+    >>> float(choose_scale_from_amax(tf.constant(2.0**-10), 1.0, 2.0**15, 2.0**12))
+    8192.0
+    """
+    amax = tf.cast(amax, tf.float32) * tf.cast(backoff, tf.float32)
     max_exponent = _pow2.floor_log2(tf.cast(max_layer_scale, tf.float32))
     margin = tf.cast(overflow_margin, tf.float32)
     # amax * margin >= 2**-126 keeps floor_log2 exact (a float32 gradient can
@@ -365,33 +380,57 @@ def shift_measurement(measurement, factor) -> tf.Tensor:
     >>> [float(v) for v in shifted[:4]]
     [6.103515625e-05, 4.0, 0.3333333432674408, 0.0]
     """
-    factor = tf.cast(factor, tf.float32)
-    statistics, histogram = split_measurement(measurement)
+    return shift_measurements(measurement[tf.newaxis], tf.reshape(factor, [1]))[0]
+
+
+def shift_measurements(measurements, factors) -> tf.Tensor:
+    """`shift_measurement` of every row of `measurements` ([points,
+    MEASUREMENT_SIZE]) by its entry of `factors` ([points]), in one pass
+    over all rows: an update shifts every point's measurement at once."""
+    factors = tf.cast(factors, tf.float32)
+    fields = len(GradientStatistics._fields)
+    statistics = measurements[:, :fields]
+    histograms = measurements[:, fields:]
     bins = len(HISTOGRAM_EXPONENTS)
+    rows = tf.shape(measurements)[0]
     moved_to = tf.clip_by_value(
-        tf.range(bins) + _pow2.floor_log2(factor), 0, bins - 1
+        tf.range(bins)[tf.newaxis] + _pow2.floor_log2(factors)[:, tf.newaxis],
+        0,
+        bins - 1,
     )
-    moved = tf.math.unsorted_segment_sum(histogram, moved_to, bins)
-    subnormal = tf.reduce_sum(moved[: HISTOGRAM_EXPONENTS.index(-14)])
+    # One segment sum over all rows: row r's bins are segments r * bins + i.
+    segments = moved_to + (tf.range(rows) * bins)[:, tf.newaxis]
+    moved = tf.reshape(
+        tf.math.unsorted_segment_sum(
+            tf.reshape(histograms, [-1]), tf.reshape(segments, [-1]), rows * bins
+        ),
+        [rows, bins],
+    )
+    subnormal = tf.reduce_sum(moved[:, : HISTOGRAM_EXPONENTS.index(-14)], 1)
+    column = GradientStatistics._fields.index
+    amax = statistics[:, column("amax")]
     near_max = tf.where(
-        tf.math.is_finite(statistics.amax), moved[-1], statistics.near_max_fraction
+        tf.math.is_finite(amax),
+        moved[:, -1],
+        statistics[:, column("near_max_fraction")],
     )
     shifted = tf.concat(
         [
             tf.stack(
                 [
-                    statistics.percentile * factor,
-                    statistics.amax * factor,
-                    statistics.zero_fraction,
+                    statistics[:, column("percentile")] * factors,
+                    amax * factors,
+                    statistics[:, column("zero_fraction")],
                     subnormal,
                     near_max,
-                ]
+                ],
+                1,
             ),
             moved,
         ],
-        0,
+        1,
     )
-    return tf.where(tf.equal(factor, 1.0), measurement, shifted)
+    return tf.where(tf.equal(factors, 1.0)[:, tf.newaxis], measurements, shifted)
 
 
 _MEASURE_FUNCTIONS = {}

@@ -123,9 +123,11 @@ class ScalingPoint(keras.layers.Layer):
         return config
 
 
-def record_vector(cumulative_scale, statistics):
-    """Packs a cumulative scale and `GradientStatistics` into a record."""
+def record_vector(cumulative_scale, statistics, axis=0):
+    """Packs a cumulative scale and `GradientStatistics` into a record (or,
+    with `axis=1`, [points] of each into [points, record] rows)."""
     return tf.stack(
         [tf.cast(cumulative_scale, tf.float32)]
-        + [tf.cast(v, tf.float32) for v in statistics]
+        + [tf.cast(v, tf.float32) for v in statistics],
+        axis=axis,
     )

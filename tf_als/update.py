@@ -9,13 +9,16 @@ its own copy). The optimizer's `apply` then calls `update_scales`, which
    replicas, exchanges it in a single all-gather (the max of percentile and
    amax, the mean of the fractions: every replica then decides from the
    same numbers);
-2. walks the points from the outputs back, as the backward pass does, and
-   chooses each point's scale with `tf_als.rule.choose_scale`. A point's
+2. walks the points from the outputs back, as the backward pass does, to
+   find the lift T_out each point's gradient will carry. A point's
    measurement was taken under the old scales downstream of it; those may
    just have changed, and the scales are powers of two, so the gradient it
    will receive is its measured gradient times T_out(new) / T_out(old),
-   exactly for amax and the percentile (`tf_als.rule.shift_measurement`);
-3. writes the new scales and the (shifted) records.
+   exactly for amax and the percentile. The walk carries only scalars: the
+   amax each point chooses its scale from (`tf_als.rule.choose_scale`);
+3. shifts every measurement by its factor (`tf_als.rule.shift_measurements`)
+   and chooses the scales again, all points at once, and writes the new
+   scales and the (shifted) records.
 
 The new scales serve from the next step on. Between updates nothing here
 runs, and nothing is exchanged.
@@ -48,60 +51,72 @@ def update_scales(model, step, backoff, config):
         A bool scalar that is True once every variable is written.
     """
     points = model.scaling_points
-    measured = tf.stack([_read(p.measured) for p in points])
-    reached = tf.equal(
-        tf.stack([_read(p.measured_step) for p in points]), step
+    measured = across_replicas(tf.stack([_read(p.measured) for p in points]))
+    reached = tf.equal(tf.stack([_read(p.measured_step) for p in points]), step)
+    current = tf.stack([_read(p.scale) for p in points])
+    t_out, scales = _walk(model, measured, reached, current, backoff, config)
+    # Everything else at once, over [points, ...] tensors.
+    shifted = rule.shift_measurements(measured[:, 1:], t_out / measured[:, 0])
+    fields = len(rule.GradientStatistics._fields)
+    statistics = rule.GradientStatistics(*tf.unstack(shifted[:, :fields], axis=1))
+    records = tf.where(
+        reached[:, tf.newaxis],
+        state_module.record_vector(scales * t_out, statistics, axis=1),
+        tf.stack([_read(p.record) for p in points]),
     )
-    measured = across_replicas(measured)
-    rows = tf.unstack(measured)
-    knobs = (config.max_layer_scale, config.overflow_margin, backoff)
-    scales = algebra.Scales(model.plan)
-    scales_in = {}
+    histograms = tf.where(
+        reached[:, tf.newaxis],
+        shifted[:, fields:],
+        tf.stack([_read(p.histogram) for p in points]),
+    )
+    steps = tf.where(reached, step, tf.stack([_read(p.last_update) for p in points]))
     assigns = []
-    for call in reversed(model.plan.calls):
-        if call.point is None:
-            continue
-        t_out = scales.call(call)
-        t_out = 1.0 if t_out is None else t_out
-        t_in, written = _decide(
-            points[call.point], rows[call.point], reached[call.point], t_out, step, knobs
-        )
-        scales.point_scales[call.index] = scales_in[call.point] = t_in
-        assigns += written
-    for index, inner in model.inner_points:
-        t_out = 1.0 if inner.parent is None else scales_in[inner.parent]
-        t_in, written = _decide(
-            points[index], rows[index], reached[index], t_out, step, knobs
-        )
-        scales_in[index] = t_in
-        assigns += written
+    for i, point in enumerate(points):
+        assigns += [
+            point.scale.assign(scales[i]),
+            point.record.assign(records[i]),
+            point.histogram.assign(histograms[i]),
+            point.last_update.assign(steps[i]),
+        ]
     with tf.control_dependencies(assigns):
         return tf.constant(True)
 
 
-def _decide(point, row, reached, t_out, step, knobs):
-    """One point's new scale from its measurement `row` ([T_out then,
-    measurement]); returns its new T_in (+inf when unreached, which
-    constrains nothing upstream) and the assignments."""
-    max_layer_scale, overflow_margin, backoff = knobs
-    t_out = tf.cast(t_out, tf.float32)
-    shifted = rule.shift_measurement(row[1:], t_out / row[0])
-    statistics, histogram = rule.split_measurement(shifted)
-    current = _read(point.scale)
-    scale = rule.choose_scale(
-        statistics, current, max_layer_scale, overflow_margin, backoff, t_out
-    )
-    scale = tf.where(reached, scale, current)
-    record = state_module.record_vector(scale * t_out, statistics)
-    assigns = [
-        point.scale.assign(scale),
-        point.record.assign(tf.where(reached, record, _read(point.record))),
-        point.histogram.assign(
-            tf.where(reached, histogram, _read(point.histogram))
-        ),
-        point.last_update.assign(tf.where(reached, step, _read(point.last_update))),
-    ]
-    return tf.where(reached, scale * t_out, INF), assigns
+def _walk(model, measured, reached, current, backoff, config) -> tuple:
+    """(T_out, new scale) of every point, each [points]: the points from
+    the outputs back, as the backward pass runs, each choosing its scale
+    from its amax as it will arrive (scaled by T_out(new) / T_out(old));
+    an unreached point keeps its scale. Only amax and scalars here: the
+    rest of the measurement is shifted for all points at once afterwards."""
+    amax_column = 1 + rule.GradientStatistics._fields.index("amax")
+    t_then = tf.unstack(measured[:, 0])
+    amaxes = tf.unstack(measured[:, amax_column])
+    reached = tf.unstack(reached)
+    current = tf.unstack(current)
+    knobs = (config.max_layer_scale, config.overflow_margin, backoff)
+    t_out, chosen = [None] * len(t_then), [None] * len(t_then)
+
+    def decide(index, inherited):
+        inherited = tf.cast(inherited, tf.float32)
+        factor = inherited / t_then[index]
+        amax = tf.where(tf.equal(factor, 1.0), amaxes[index], amaxes[index] * factor)
+        scale = rule.choose_scale_from_amax(amax, current[index], *knobs, inherited)
+        t_out[index] = inherited
+        chosen[index] = tf.where(reached[index], scale, current[index])
+        return tf.where(reached[index], scale * inherited, INF)
+
+    scales = algebra.Scales(model.plan)
+    scales_in = {}
+    for call in reversed(model.plan.calls):
+        if call.point is None:
+            continue
+        inherited = scales.call(call)
+        t_in = decide(call.point, 1.0 if inherited is None else inherited)
+        scales.point_scales[call.index] = scales_in[call.point] = t_in
+    for index, inner in model.inner_points:
+        parent = 1.0 if inner.parent is None else scales_in[inner.parent]
+        scales_in[index] = decide(index, parent)
+    return tf.stack(t_out), tf.stack(chosen)
 
 
 def _read(variable):
