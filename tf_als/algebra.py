@@ -28,6 +28,8 @@ class Scales:
 
     Args:
         plan: a `tf_als.graph.Plan`.
+        unit: T at the model outputs and the loss: 1.0, or 0 when the
+            scales are kept as exponents (the minimum works on either).
 
     Attributes:
         point_scales: call index of a scaling point -> its T_in (a float32
@@ -44,8 +46,9 @@ class Scales:
     ```
     """
 
-    def __init__(self, plan):
+    def __init__(self, plan, unit=1.0):
         self.plan = plan
+        self.unit = unit  # T at the outputs: 1, or its exponent 0.
         self.point_scales = {}
         self._slots = {}
         self._calls = {}
@@ -63,7 +66,7 @@ class Scales:
         """The scale of the gradient contribution `consumer` sends back."""
         kind = consumer[0]
         if kind in (graph.OUTPUT, graph.LOSS):
-            return 1.0
+            return self.unit
         call = self.plan.calls[consumer[1]]
         if kind == graph.ENTER:
             return self.slot(call.outputs[consumer[2]])
@@ -96,7 +99,7 @@ def minimum(scales):
     present = list({id(t): t for t in scales if t is not None}.values())
     if not present:
         return None
-    if all(isinstance(t, float) for t in present):
+    if all(isinstance(t, (int, float)) for t in present):
         return min(present)
     result = present[0]
     for t in present[1:]:

@@ -274,13 +274,36 @@ def choose_scale_from_amax(
     amax, current_scale, max_layer_scale, overflow_margin, backoff=1.0, inherited=1.0
 ) -> tf.Tensor:
     """`choose_scale` from the one statistic it reads, the incoming
-    gradient's amax (the update's walk over the points carries only it).
+    gradient's amax (elementwise: any shape).
 
     >>> float(choose_scale_from_amax(tf.constant(2.0**-10), 1.0, 2.0**15, 2.0**12))
     8192.0
     """
-    amax = tf.cast(amax, tf.float32) * tf.cast(backoff, tf.float32)
     max_exponent = _pow2.floor_log2(tf.cast(max_layer_scale, tf.float32))
+    min_exponent = -_pow2.floor_log2(tf.cast(inherited, tf.float32))
+    exponent = tf.clip_by_value(
+        safe_exponent(amax, overflow_margin, backoff), min_exponent, max_exponent
+    )
+    return tf.where(
+        usable_amax(amax, backoff),
+        _pow2.pow2(exponent),
+        tf.cast(current_scale, tf.float32),
+    )
+
+
+def safe_exponent(amax, overflow_margin, backoff=1.0) -> tf.Tensor:
+    """The largest k (int32) with amax * backoff * overflow_margin * 2**k
+    <= float16's maximum: the scale exponent that safety allows, before the
+    clip to [1 / inherited, max_layer_scale] (elementwise).
+
+    The gradient times a power of two 2**f allows exactly k - f (the test
+    against float16's maximum reads the mantissa, which 2**f keeps), so the
+    scale update computes k once per point and walks in exponents.
+
+    >>> int(safe_exponent(tf.constant(2.0**-10), 2.0**12))
+    13
+    """
+    amax = tf.cast(amax, tf.float32) * tf.cast(backoff, tf.float32)
     margin = tf.cast(overflow_margin, tf.float32)
     # amax * margin >= 2**-126 keeps floor_log2 exact (a float32 gradient can
     # be smaller than any float16); such a gradient gets the ceiling anyway.
@@ -288,13 +311,14 @@ def choose_scale_from_amax(
     cap = FLOAT16_MAX_EXPONENT - _pow2.floor_log2(reach)
     # amax * margin * 2**cap < 2**16, but may still exceed 65504.
     too_big = reach * _pow2.pow2(cap) > FLOAT16_MAX
-    cap = cap - tf.cast(too_big, tf.int32)
-    min_exponent = -_pow2.floor_log2(tf.cast(inherited, tf.float32))
-    exponent = tf.clip_by_value(cap, min_exponent, max_exponent)
-    usable = tf.logical_and(amax > 0.0, tf.math.is_finite(amax))
-    return tf.where(
-        usable, _pow2.pow2(exponent), tf.cast(current_scale, tf.float32)
-    )
+    return cap - tf.cast(too_big, tf.int32)
+
+
+def usable_amax(amax, backoff=1.0) -> tf.Tensor:
+    """Whether an amax can choose a scale: positive and finite (an all-zero
+    or non-finite gradient keeps its point's scale)."""
+    amax = tf.cast(amax, tf.float32) * tf.cast(backoff, tf.float32)
+    return tf.logical_and(amax > 0.0, tf.math.is_finite(amax))
 
 
 def lifts_percentile(statistics: GradientStatistics, scale) -> tf.Tensor:

@@ -24,13 +24,17 @@ The new scales serve from the next step on. Between updates nothing here
 runs, and nothing is exchanged.
 """
 
+import math
+
 import tensorflow as tf
 
+from tf_als import _pow2
 from tf_als import algebra
 from tf_als import rule
 from tf_als import state as state_module
 
-INF = float("inf")
+# log2 T_in of a point no gradient reached: it constrains nothing upstream.
+UNREACHED = 1 << 20
 
 
 def update_scales(model, step, backoff, config):
@@ -54,14 +58,17 @@ def update_scales(model, step, backoff, config):
     measured = across_replicas(tf.stack([_read(p.measured) for p in points]))
     reached = tf.equal(tf.stack([_read(p.measured_step) for p in points]), step)
     current = tf.stack([_read(p.scale) for p in points])
-    t_out, scales = _walk(model, measured, reached, current, backoff, config)
+    t_out, exponents = _walk(model, measured, reached, current, backoff, config)
+    scales = _pow2.pow2(exponents)
     # Everything else at once, over [points, ...] tensors.
-    shifted = rule.shift_measurements(measured[:, 1:], t_out / measured[:, 0])
+    shifted = rule.shift_measurements(
+        measured[:, 1:], _pow2.pow2(t_out - _pow2.floor_log2(measured[:, 0]))
+    )
     fields = len(rule.GradientStatistics._fields)
     statistics = rule.GradientStatistics(*tf.unstack(shifted[:, :fields], axis=1))
     records = tf.where(
         reached[:, tf.newaxis],
-        state_module.record_vector(scales * t_out, statistics, axis=1),
+        state_module.record_vector(_pow2.pow2(exponents + t_out), statistics, axis=1),
         tf.stack([_read(p.record) for p in points]),
     )
     histograms = tf.where(
@@ -83,38 +90,41 @@ def update_scales(model, step, backoff, config):
 
 
 def _walk(model, measured, reached, current, backoff, config) -> tuple:
-    """(T_out, new scale) of every point, each [points]: the points from
-    the outputs back, as the backward pass runs, each choosing its scale
-    from its amax as it will arrive (scaled by T_out(new) / T_out(old));
-    an unreached point keeps its scale. Only amax and scalars here: the
-    rest of the measurement is shifted for all points at once afterwards."""
-    amax_column = 1 + rule.GradientStatistics._fields.index("amax")
-    t_then = tf.unstack(measured[:, 0])
-    amaxes = tf.unstack(measured[:, amax_column])
+    """(log2 T_out, log2 of the new scale) of every point, each int32
+    [points]: the points from the outputs back, as the backward pass runs,
+    each choosing its scale for the gradient as it will arrive, scaled by
+    T_out(new) / T_out(old). Scales are powers of two, so the walk adds and
+    clips exponents: what safety allows for each point's measured amax is
+    computed once for all points (`tf_als.rule.safe_exponent`), and a
+    gradient lifted by 2**f allows f less. An unreached point, or one whose
+    gradient was all zero or not finite, keeps its scale."""
+    amax = measured[:, 1 + rule.GradientStatistics._fields.index("amax")]
+    safe = tf.unstack(rule.safe_exponent(amax, config.overflow_margin, backoff))
+    usable = tf.unstack(tf.logical_and(rule.usable_amax(amax, backoff), reached))
+    then = tf.unstack(_pow2.floor_log2(measured[:, 0]))
+    kept = tf.unstack(_pow2.floor_log2(current))
     reached = tf.unstack(reached)
-    current = tf.unstack(current)
-    knobs = (config.max_layer_scale, config.overflow_margin, backoff)
-    t_out, chosen = [None] * len(t_then), [None] * len(t_then)
+    ceiling = int(math.log2(config.max_layer_scale))
+    t_out, chosen = [None] * len(then), [None] * len(then)
 
     def decide(index, inherited):
-        inherited = tf.cast(inherited, tf.float32)
-        factor = inherited / t_then[index]
-        amax = tf.where(tf.equal(factor, 1.0), amaxes[index], amaxes[index] * factor)
-        scale = rule.choose_scale_from_amax(amax, current[index], *knobs, inherited)
+        inherited = tf.convert_to_tensor(inherited, tf.int32)
+        exponent = safe[index] - (inherited - then[index])
+        exponent = tf.minimum(tf.maximum(exponent, -inherited), ceiling)
         t_out[index] = inherited
-        chosen[index] = tf.where(reached[index], scale, current[index])
-        return tf.where(reached[index], scale * inherited, INF)
+        chosen[index] = tf.where(usable[index], exponent, kept[index])
+        return tf.where(reached[index], chosen[index] + inherited, UNREACHED)
 
-    scales = algebra.Scales(model.plan)
+    scales = algebra.Scales(model.plan, unit=0)
     scales_in = {}
     for call in reversed(model.plan.calls):
         if call.point is None:
             continue
         inherited = scales.call(call)
-        t_in = decide(call.point, 1.0 if inherited is None else inherited)
+        t_in = decide(call.point, 0 if inherited is None else inherited)
         scales.point_scales[call.index] = scales_in[call.point] = t_in
     for index, inner in model.inner_points:
-        parent = 1.0 if inner.parent is None else scales_in[inner.parent]
+        parent = 0 if inner.parent is None else scales_in[inner.parent]
         scales_in[index] = decide(index, parent)
     return tf.stack(t_out), tf.stack(chosen)
 
