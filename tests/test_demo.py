@@ -13,6 +13,7 @@ from tf_als import datasets
 from tf_als import demo
 
 
+@pytest.mark.slow  # ~45 s; the default suite stays near 10 min
 def test_quick_demo_writes_table_logs_and_plot(tmp_path, capsys):
     out = str(tmp_path / "run")
     results = demo.main(["--quick", "--output-dir", out, "--verbose", "0"])
