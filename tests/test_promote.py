@@ -106,11 +106,10 @@ def test_off_it_stops_as_before():
     assert tf_als.promoted(model) == []
 
 
-def test_a_compiled_custom_loop_promotes_through_check_skips():
-    x, y = data()
-    model = tf_als.instrument(build())
-    opt = optimizer()
-    loss = loss_fn()
+def custom_loop(model, opt, loss, xb, yb, steps, check, compiled=True):
+    """Trains `steps` steps on one batch in a custom loop, calling
+    `check(opt, xb, yb)` (a `check_skips` call) after each and making the
+    compiled step again when it promoted; returns the promotions."""
 
     def train_step(xb, yb):
         with tf.GradientTape() as tape:
@@ -118,15 +117,25 @@ def test_a_compiled_custom_loop_promotes_through_check_skips():
         grads = tape.gradient(scaled, model.trainable_variables)
         opt.apply(grads, model.trainable_variables)
 
-    step = tf.function(train_step)
-    promoted = []
-    for i in range(8):
-        xb, yb = x[:BATCH], y[:BATCH]
+    make = tf.function if compiled else (lambda f: f)
+    step, promoted = make(train_step), []
+    for _ in range(steps):
         step(xb, yb)
-        made = opt.check_skips(batches=lambda: [xb])
+        made = check(opt, xb, yb)
         if made:
             promoted += made
-            step = tf.function(train_step)
+            step = make(train_step)
+    return promoted
+
+
+def test_a_compiled_custom_loop_promotes_through_check_skips():
+    x, y = data()
+    model = tf_als.instrument(build())
+    opt = optimizer()
+    promoted = custom_loop(
+        model, opt, loss_fn(), x[:BATCH], y[:BATCH], 8,
+        lambda opt, xb, yb: opt.check_skips(batches=lambda: [xb]),
+    )
     assert [p.layer for p in promoted] == ["hot"]
     assert int(opt.iterations.numpy()) == 8 - SKIPS
 

@@ -19,6 +19,7 @@ import tensorflow as tf
 
 import tf_als
 from tests import architectures
+from tests.test_promote import custom_loop
 from tf_als import backward_search
 from tf_als import forward
 from tf_als import promote
@@ -262,27 +263,17 @@ def test_frequent_skips_that_cannot_be_promoted_warn_once():
     assert int(opt.iterations.numpy()) == 4 * SKIPS  # every zero step
 
 
+def _check_with_the_loss(opt, xb, yb):
+    return opt.check_skips(batches=lambda: [(xb, yb)], loss=loss_fn())
+
+
 def test_a_compiled_custom_loop_promotes_with_the_loss():
     x, y = data()
     model = tf_als.instrument(build())
     opt = optimizer()
-    loss = loss_fn()
-
-    def train_step(xb, yb):
-        with tf.GradientTape() as tape:
-            scaled = opt.scale_loss(loss(yb, model(xb, training=True)))
-        grads = tape.gradient(scaled, model.trainable_variables)
-        opt.apply(grads, model.trainable_variables)
-
-    step = tf.function(train_step)
-    promoted = []
-    for _ in range(8):
-        xb, yb = x[:BATCH], y[:BATCH]
-        step(xb, yb)
-        made = opt.check_skips(batches=lambda: [(xb, yb)], loss=loss)
-        if made:
-            promoted += made
-            step = tf.function(train_step)
+    promoted = custom_loop(
+        model, opt, loss_fn(), x[:BATCH], y[:BATCH], 8, _check_with_the_loss
+    )
     assert [p.layer for p in promoted] == ["temperature"]
     assert int(opt.iterations.numpy()) == 8 - SKIPS
 
@@ -293,14 +284,10 @@ def test_an_eager_loop_that_checks_promotes_too():
     x, y = data()
     model = tf_als.instrument(build())
     opt = optimizer()
-    loss = loss_fn()
-    promoted = []
-    for _ in range(8):
-        xb, yb = x[:BATCH], y[:BATCH]
-        with tf.GradientTape() as tape:
-            scaled = opt.scale_loss(loss(yb, model(xb, training=True)))
-        opt.apply(tape.gradient(scaled, model.trainable_variables), model.trainable_variables)
-        promoted += opt.check_skips(batches=lambda: [(xb, yb)], loss=loss)
+    promoted = custom_loop(
+        model, opt, loss_fn(), x[:BATCH], y[:BATCH], 8, _check_with_the_loss,
+        compiled=False,
+    )
     assert [p.layer for p in promoted] == ["temperature"]
     assert int(opt.iterations.numpy()) == 8 - SKIPS
 
