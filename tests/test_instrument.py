@@ -312,3 +312,40 @@ def test_instrumenting_a_compiled_model_carries_the_optimizer_over(mixed):
 def test_an_uncompiled_model_gives_an_uncompiled_one(mixed):
     _, model = architectures.CASES[0].build_pair()
     assert not tf_als.instrument(model).compiled
+
+
+def _count_train_step_traces(model):
+    """Wraps `model.train_step` to count how often `fit` traces it."""
+    traces = []
+    train_step = model.train_step
+
+    def counted(data):
+        traces.append(1)
+        return train_step(data)
+
+    model.train_step = counted
+    return traces
+
+
+@pytest.mark.parametrize("data", ["arrays", "dataset"])
+def test_fit_traces_the_train_step_once(mixed, data):
+    """Without a distribution strategy Keras creates the optimizer's and
+    metrics' variables during the first trace, so TensorFlow traces the
+    step again; the instrumented model's `fit` creates them first."""
+    _, model = architectures.CASES[2].build_pair()  # resnet
+    x, y = architectures.CASES[2].data()
+    instrumented = tf_als.instrument(model)
+    instrumented.compile(
+        optimizer=tf_als.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(0.01)),
+        loss=architectures.CASES[2].loss,
+        metrics=["accuracy"],
+    )
+    traces = _count_train_step_traces(instrumented)
+    if data == "arrays":
+        history = instrumented.fit(x, y, batch_size=len(x), epochs=2, verbose=0)
+    else:
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(len(x))
+        history = instrumented.fit(dataset, epochs=2, verbose=0)
+    assert len(traces) == 1
+    assert instrumented.optimizer.iterations.numpy() == 2
+    assert np.isfinite(history.history["accuracy"]).all()

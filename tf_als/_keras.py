@@ -185,6 +185,24 @@ def compile_arguments(model):
     return None if config is None else dict(config.config)
 
 
+def build_state_before_tracing(model, data_batch) -> None:
+    """Creates the optimizer's, compiled metrics' and compiled loss's
+    variables of `model` before `fit` traces its train step.
+
+    Without a distribution strategy in scope at `compile`, Keras 3.15 defers
+    creating them to the first trace of the train step; a `tf.function`
+    whose first trace creates variables is traced a second time, so every
+    `fit` set-up traces the whole step twice. Under a strategy Keras builds
+    them first (`TensorFlowTrainer._maybe_symbolic_build`); this does the
+    same (`Trainer._symbolic_build`, which builds from the shapes and dtypes
+    of `data_batch`, an `(x, y, sample_weight)` structure of arrays or
+    `tf.TensorSpec`s). No public equivalent: `model.build_from_config` does
+    not build metrics or the optimizer."""
+    if getattr(model, "_distribute_strategy", None) is not None:
+        return  # Keras builds them itself.
+    model._symbolic_build(data_batch=data_batch)
+
+
 def all_layers(model) -> list:
     """`model` and every layer tracked inside it, each once."""
     return [model] + sublayers(model, recursive=True)

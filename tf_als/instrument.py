@@ -302,6 +302,12 @@ class InstrumentedModel(keras.Model):
             arguments.get("batch_size"),
         )
         arguments["callbacks"] = _with_guard(arguments.get("callbacks"), batches)
+        spec = _batch_spec(
+            arguments.get("x"), arguments.get("y"), arguments.get("sample_weight")
+        )
+        if spec is not None and getattr(self, "optimizer", None) is not None:
+            # One trace of the train step instead of two.
+            _keras.build_state_before_tracing(self, spec)
         return super().fit(**arguments)
 
     def export(
@@ -390,6 +396,24 @@ def _with_guard(callbacks, batches=None):
     if not any(isinstance(c, storm.NonFiniteGuard) for c in callbacks):
         callbacks.append(storm.NonFiniteGuard(batches=batches))
     return callbacks
+
+
+def _batch_spec(x, y, sample_weight):
+    """`(x, y, sample_weight)` with the shapes and dtypes of the training
+    data (arrays or tensors, or a `tf.data.Dataset`'s `tf.TensorSpec`s), or
+    None when they are not known without reading it (generators, Keras
+    `PyDataset`s, ragged or sparse elements)."""
+    if isinstance(x, tf.data.Dataset):
+        spec = x.element_spec
+        if not all(isinstance(s, tf.TensorSpec) for s in tree.flatten(spec)):
+            return None
+        return spec if isinstance(spec, tuple) else (spec,)
+    leaves = [a for a in tree.flatten((x, y, sample_weight)) if a is not None]
+    if x is None or not all(
+        hasattr(a, "shape") and hasattr(a, "dtype") for a in leaves
+    ):
+        return None
+    return (x, y, sample_weight)
 
 
 def _training_batches(x, y, sample_weight, batch_size):
