@@ -2,8 +2,10 @@
 sort they replace, side by side in one process.
 
 For float16 gradients of growing size (log-normal magnitudes, a third
-zeros), times `tf_als.rule.measure` (amax, fractions, exponent counts
-giving the percentile and the histogram) and the same statistics with the
+zeros), times `tf_als.rule.tally` (amax and a count per binary exponent,
+what a scaling point runs on an update step) followed by
+`tf_als.rule.statistics_of_tallies` (the percentile, fractions and
+histogram derived from it), and the same statistics with the
 percentile from a full sort (`tfp.stats.percentile` on the nonzero
 magnitudes, what tf_als ran before), each compiled with `tf.function`, XLA
 off and on; and reports how far the new percentile is from the sorted one,
@@ -28,7 +30,7 @@ SIZES = (2**14, 2**17, 2**20, 2**22)
 
 def _sorted_statistics(g, rate):
     """The percentile from a full sort (lower interpolation, rank
-    floor(rate * (nonzero-1))), plus what `measure` also computes."""
+    floor(rate * (nonzero-1))), plus amax and the histogram."""
     magnitudes = tf.abs(tf.cast(tf.reshape(g, [-1]), tf.float32))
     is_zero = tf.equal(magnitudes, 0.0)
     size = tf.cast(tf.size(magnitudes), tf.float64)
@@ -41,6 +43,12 @@ def _sorted_statistics(g, rate):
     return tf.concat(
         [tf.stack([percentile, tf.reduce_max(magnitudes)]), histogram], 0
     )
+
+
+def _linear_statistics(g, rate):
+    """tf_als's: the tally, then the statistics derived from it."""
+    stats, histograms = rule.statistics_of_tallies(rule.tally(g)[tf.newaxis], rate)
+    return tf.concat([tf.stack([stats.percentile[0], stats.amax[0]]), histograms[0]], 0)
 
 
 def _time(function, g, repeats):
@@ -60,7 +68,7 @@ def main(argv=None):
     print("| XLA | elements | sorted (ms) | linear (ms) | ratio | percentile: sorted / linear |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for jit in (False, True):
-        linear = tf.function(lambda g: rule.measure([g], 0.01), jit_compile=jit)
+        linear = tf.function(lambda g: _linear_statistics(g, 0.01), jit_compile=jit)
         sort = tf.function(lambda g: _sorted_statistics(g, 0.01), jit_compile=jit)
         for size in SIZES:
             values = np.exp2(rng.normal(-8.0, 5.0, size)).astype(np.float16)

@@ -174,7 +174,7 @@ def test_one_packed_exchange_per_update_and_one_flag_per_step(run):
     # tf.function once), so one exchange per replica.
     assert len(gathers) == REPLICAS, gathers
     for gather in gathers:
-        assert gather["shapes"] == [[1, points, 1 + rule.MEASUREMENT_SIZE]], gather
+        assert gather["shapes"] == [[1, points, 1 + rule.TALLY_SIZE]], gather
         assert "cond" in gather["graph"], gather
 
 

@@ -237,11 +237,12 @@ def test_statistics_smallest_subnormal_and_smallest_normal(run):
 
 
 def test_statistics_near_overflow_float16(run):
-    # The threshold is 65504 / 2 = 32752 (a float16: 2047 * 16). Counted:
-    # 65504, -32752. Not counted: 32736 (the float16 just below 32752), 1,
-    # 2, -4, 0.5, 0. Size 8 -> 2/8. Nonzero sorted: [0.5, 1, 2, 4, 32736,
-    # 32752, 65504]; rate 0.5 -> floor(0.5 * 6) = 3 -> 4.
-    g = f16([[65504.0, -32752.0, 32736.0, 1.0], [0.0, 2.0, -4.0, 0.5]])
+    # The threshold is 2**15 = 32768, float16's largest power of two
+    # (65504 / 2 = 32752 is the float16 just below it). Counted: 65504,
+    # -32768. Not counted: 32752, 1, 2, -4, 0.5, 0. Size 8 -> 2/8. Nonzero
+    # sorted: [0.5, 1, 2, 4, 32752, 32768, 65504]; rate 0.5 ->
+    # floor(0.5 * 6) = 3 -> 4.
+    g = f16([[65504.0, -32768.0, 32752.0, 1.0], [0.0, 2.0, -4.0, 0.5]])
     [stats] = _statistics_at_rates(run, g, [0.5])
     assert_statistics(stats, percentile=4.0, amax=F16_MAX, zero=0.125, subnormal=0.0, near_max=0.25)
 
@@ -360,7 +361,7 @@ def test_statistics_amax_propagates_inf(run):
 # values are not float16 (1e-30 would flush to 0, 70000 would be inf), so
 # they prove pooling happens in float32.
 # Size 8: zeros 2/8; nonzero below 2**-14: 2**-20 and 1e-30 -> 2/8;
-# >= 32752: 70000 -> 1/8; amax 70000.
+# >= 2**15: 70000 -> 1/8; amax 70000.
 # Nonzero sorted [1e-30, 2**-20, 1, 2, 3, 70000], 'lower' index
 # floor(rate * 5).
 POOL_F16 = [[0.0, 2.0**-20], [1.0, 2.0]]
@@ -678,64 +679,79 @@ def test_lifts_percentile_reports_what_the_cap_cannot_lift(run):
 
 
 # --------------------------------------------------------------------------
-# measure: gradient_statistics as a vector, out of line
+# tally: what a scaling point measures; statistics_of_tallies: the rest
 # --------------------------------------------------------------------------
 
 
-FIELDS = len(rule.GradientStatistics._fields)
+def _numpy_tally(values):
+    """The tally from numpy, independently of the bit pattern: amax, the
+    zeros, then per binary exponent e (from `np.frexp` in float64) the
+    count of nonzero finite magnitudes in [2**e, 2**(e+1)), then the
+    non-finite ones."""
+    magnitudes = np.abs(np.asarray(values, np.float64)).ravel()
+    finite = np.isfinite(magnitudes)
+    counts = np.zeros([256], np.float64)
+    counts[0] = np.sum(magnitudes == 0.0)
+    counts[255] = np.sum(~finite)
+    nonzero = magnitudes[finite & (magnitudes > 0.0)]
+    exponents = np.frexp(nonzero)[1] - 1  # m * 2**e with m in [0.5, 1)
+    np.add.at(counts, exponents + 127, 1.0)
+    amax = np.nan if np.isnan(magnitudes).any() else magnitudes.max()
+    return np.concatenate([[amax], counts]).astype(np.float32)
+
+
+TALLY_CASES = [
+    ("pooled f16 + f32", [f16(POOL_F16), f32(np.reshape(POOL_F32, [2, 2]))]),
+    ("mixed", [f32(MIXED)]),
+    ("subnormal f16", [f16(SUBNORMALS)]),
+    ("near max", [f16([[65504.0, -32768.0, 32752.0, 1.0], [0.0, 2.0, -4.0, 0.5]])]),
+    ("zero", [tf.zeros([4], tf.float16)]),
+    ("non-finite", [f32([1.0, NAN, 0.0, -INF, 2.0**-126, 2.0**127])]),
+]
+
+
+def test_tally_counts_every_binary_exponent(run):
+    """amax and one count per exponent, against numpy's frexp: float16
+    subnormals are float32 normals, so each has its own exponent."""
+    outputs = run(lambda gs: [rule.tally(g) for g in gs], [g for _, g in TALLY_CASES])
+    for (what, gradients), out in zip(TALLY_CASES, outputs):
+        values = np.concatenate([np.asarray(g, np.float64).ravel() for g in gradients])
+        assert out.shape == (rule.TALLY_SIZE,)
+        assert_exact(out, _numpy_tally(values), what=what)
+
+
+def test_statistics_of_tallies_keeps_rows_apart(run):
+    """Every row of a [points, TALLY_SIZE] batch gives the statistics and
+    histogram of its own gradient, whatever the other rows hold."""
+    gradients = [g for _, g in TALLY_CASES]
+
+    def fn(gs):
+        stats, histograms = rule.statistics_of_tallies(
+            tf.stack([rule.tally(g) for g in gs]), 0.5
+        )
+        return stats, histograms, [
+            rule.gradient_statistics(g, 0.5) for g in gs
+        ], [rule.log2_histogram(g) for g in gs]
+
+    stats, histograms, alone, alone_histograms = run(fn, gradients)
+    for i, (what, _) in enumerate(TALLY_CASES):
+        row = _stats_vector([field[i] for field in stats])
+        assert_exact(row, _stats_vector(alone[i]), what=what)
+        assert_exact(histograms[i], alone_histograms[i], what=what)
 
 
 def _stats_vector(stats):
     return np.array([np.float32(v) for v in stats], np.float32)
 
 
-def test_measure(run):
-    # The pooled float16 + float32 gradient of the pooling test, given as
-    # 2-D tensors (measure flattens); rate 0.5 -> percentile 1.
-    a = f16(POOL_F16)
-    b = f32(np.reshape(POOL_F32, [2, 2]))
-    out = run(lambda x, y: rule.measure([x, y], 0.5), a, b)
-    assert out.shape == (rule.MEASUREMENT_SIZE,)
-    assert_exact(out[:FIELDS], [1.0, 70000.0, 0.25, 0.25, 0.125])
-    assert_exact(out[:FIELDS], _stats_vector(rule.gradient_statistics([a, b], 0.5)))
-    assert_exact(out[FIELDS:], rule.log2_histogram([a, b]).numpy())
-
-
-def test_measure_equals_gradient_statistics(run):
-    cases = [
-        ("mixed", tf.constant(MIXED, tf.float32), 0.5),
-        ("subnormal", f16(SUBNORMALS), 0.3),
-        ("near_max", f16([[65504.0, -32752.0, 32736.0, 1.0], [0.0, 2.0, -4.0, 0.5]]), 0.5),
-        ("zero", tf.zeros([4], tf.float16), 0.01),
-        ("nan", f32([1.0, NAN, 0.0, 2.0]), 0.01),
-    ]
-
-    def fn(gradients):
-        return [
-            rule.measure([g], rate)
-            for g, (_, _, rate) in zip(gradients, cases)
-        ]
-
-    outputs = run(fn, [g for _, g, _ in cases])
-    for (what, g, rate), out in zip(cases, outputs):
-        assert_exact(out[FIELDS:], rule.log2_histogram(g).numpy(), what=what)
-        out = out[:FIELDS]
-        expected = _stats_vector(rule.gradient_statistics(g, rate))
-        if what == "nan":
-            # The percentile of a NaN gradient is unspecified (sorting NaN
-            # is); the other fields are not.
-            out, expected = out[1:], expected[1:]
-        assert_exact(out, expected, what=what)
-
-
-def test_measure_then_choose_with_knobs(run):
-    # The two steps chained as a scaling point chains them, ceiling 2**10,
+def test_tally_then_choose_with_knobs(run):
+    # The steps chained as a scale update chains them, ceiling 2**10,
     # margin 2**4: amax 3 -> 3 * 2**(k+4) <= 65504 -> k = 10, at the
     # ceiling -> 2**10.
     def fn(g):
-        stats, _ = rule.split_measurement(rule.measure([g], 0.01))
+        stats, _ = rule.statistics_of_tallies(rule.tally([g])[tf.newaxis], 0.01)
         return rule.choose_scale(
-            stats,
+            rule.GradientStatistics(*[field[0] for field in stats]),
             tf.constant(8.0),
             tf.constant(2.0**10),
             tf.constant(2.0**4),
@@ -825,51 +841,59 @@ def test_percentile_on_real_gradients(mixed):
 
 
 # --------------------------------------------------------------------------
-# shift_measurement: the measurement of a gradient times a power of two
+# shift_tallies: the tally of a gradient times a power of two
 # --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("exponent", [-3, 0, 2, 9])
-def test_shift_measurement_equals_measuring_the_scaled_gradient(run, exponent):
-    """A float32 gradient with magnitudes from 2**-20 to 2**5 (and zeros),
-    so that times 2**-3 .. 2**9 none leaves the histogram's range nor
-    reaches [32752, 32768) (where the near-max fraction counts an element
-    that its exponent bin cannot tell): measuring the scaled gradient and
-    shifting the measurement agree bitwise, in every field."""
+@pytest.mark.parametrize("exponent", [-3, 0, 2, 9, 20])
+def test_shift_tallies_equals_tallying_the_scaled_gradient(run, exponent):
+    """A float32 gradient with magnitudes from 2**-20 to 2**5 (and zeros):
+    tallying the gradient times 2**k and shifting its tally by 2**k agree
+    bitwise, and so do the statistics at every rate derived from them."""
     rng = np.random.default_rng(3)
     values = np.exp2(rng.uniform(-20.0, 5.0, size=256)).astype(np.float32)
     values[rng.random(256) < 0.25] = 0.0
     g = tf.constant(values)
-    factor = tf.constant(2.0**exponent)
-    shifted, direct = run(
-        lambda g, f: (
-            rule.shift_measurement(rule.measure([g], 0.01), f),
-            rule.measure([g * f], 0.01),
-        ),
-        g,
-        factor,
-    )
+    factor = tf.constant([2.0**exponent])
+
+    def fn(g, f):
+        shifted = rule.shift_tallies(rule.tally(g)[tf.newaxis], f)
+        direct = rule.tally(g * f[0])[tf.newaxis]
+        return shifted, direct, [
+            rule.statistics_of_tallies(t, rate)
+            for t in (shifted, direct)
+            for rate in (0.0, 0.01, 0.5)
+        ]
+
+    shifted, direct, statistics = run(fn, g, factor)
     assert_exact(shifted, direct, what=exponent)
+    for a, b in zip(statistics[:3], statistics[3:]):
+        for x, y in zip(tf.nest.flatten(a), tf.nest.flatten(b)):
+            assert_exact(x, y, what=exponent)
 
 
-def test_shift_measurement_keeps_non_finite_and_end_bins(run):
-    """inf stays inf (and its near-max share stays); a factor of 1 returns
-    the vector unchanged; mass moved past an end bin stays in it."""
-    g = f32([INF, 1.0, 0.0, 2.0**-24])
-    measured, up, same = run(
-        lambda g: (
-            rule.measure([g], 0.0),
-            rule.shift_measurement(rule.measure([g], 0.0), tf.constant(2.0**20)),
-            rule.shift_measurement(rule.measure([g], 0.0), tf.constant(1.0)),
+def test_shift_tallies_keeps_non_finite_zeros_and_range_ends(run):
+    """inf, NaN and zeros stay where they are; a factor of 1 returns the
+    row unchanged; counts moved past float32's normal range stay at its
+    ends (nothing is lost); each row moves by its own factor."""
+    g = f32([INF, 1.0, 0.0, 2.0**-24, NAN, 2.0**100, 2.0**-100])
+    factors = tf.constant([1.0, 2.0**20, 2.0**40, 2.0**-40])
+    tallied, shifted = run(
+        lambda g, f: (
+            rule.tally(g),
+            rule.shift_tallies(tf.stack([rule.tally(g)] * 4), f),
         ),
         g,
+        factors,
     )
-    assert_exact(same, measured)
-    fields = len(rule.GradientStatistics._fields)
-    assert up[1] == INF and up[4] == measured[4] == 0.25
-    histogram = up[fields:]
-    # 1 * 2**20 lands in the top bin (2**15 and above), 2**-24 * 2**20 at
-    # 2**-4: 1/4 of the elements each.
-    assert histogram[-1] == 0.25
-    assert histogram[rule.HISTOGRAM_EXPONENTS.index(-4)] == 0.25
-    assert up[3] == 0.0  # nothing left below 2**-14
+    assert_exact(shifted[0], tallied)
+    for row in shifted[1:]:
+        assert np.isnan(row[0])  # NaN amax stays NaN
+        assert row[1] == 1.0 and row[256] == 2.0  # the zero; inf and NaN
+        assert row[1:].sum() == 7.0
+    counts = shifted[1, 1:]
+    for exponent in (20, -4, 120, -80):  # 1, 2**-24, 2**100, 2**-100 times 2**20
+        assert counts[exponent + 127] == 1.0, exponent
+    assert shifted[2, 1 + 254] == 1.0  # 2**100 * 2**40 stops at 2**127
+    assert shifted[3, 1 + 1] == 1.0  # 2**-100 * 2**-40 stops at 2**-126
+    assert shifted[3, 1 + 127 - 64] == 1.0  # 2**-24 * 2**-40 = 2**-64

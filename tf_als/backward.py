@@ -289,21 +289,19 @@ class Backward:
         return scale
 
     def _measure(self, state, upstream, scale_out):
-        """On update steps, writes `[scale_out, measure(upstream)]` and the
+        """On update steps, writes `[scale_out, tally(upstream)]` and the
         step into the point's state; returns the branch's flag (None when
-        no optimizer drives the scales). The statistics run out of line
-        (see `rule.measure`): between updates the untaken branch costs a
-        few skipped ops."""
+        no optimizer drives the scales). A tally is a few elementwise ops
+        and one segment sum (`rule.tally`); the statistics are derived from
+        it once per update, for all points at once (`tf_als.update`), so
+        between updates the untaken branch costs a few skipped ops."""
         step_pass = self.step_pass
         if step_pass is None:
             return None
 
         def measure():
             vector = tf.concat(
-                [
-                    tf.reshape(tf.cast(scale_out, tf.float32), [1]),
-                    rule.measure(upstream, step_pass.config.underflow_rate),
-                ],
+                [tf.reshape(tf.cast(scale_out, tf.float32), [1]), rule.tally(upstream)],
                 0,
             )
             writes = [

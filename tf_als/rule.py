@@ -54,8 +54,6 @@ FLOAT16_MAX = 65504.0
 FLOAT16_MAX_EXPONENT = 15  # 2**15 is the largest power of two below the max.
 FLOAT16_MIN_NORMAL = 2.0**-14
 FLOAT16_MIN_SUBNORMAL = 2.0**-24
-# "Near overflow": within a factor of two of the largest float16.
-FLOAT16_NEAR_MAX = FLOAT16_MAX / 2.0
 # Histogram of log2 magnitudes: one bin per binary exponent a float16 can
 # hold, from its smallest subnormal, 2**-24, to 2**15 (smaller or larger
 # float32 values land in the end bins).
@@ -79,7 +77,8 @@ class GradientStatistics(NamedTuple):
         subnormal_fraction: fraction of elements that are nonzero and below
             float16's smallest normal, 2**-14.
         near_max_fraction: fraction of elements whose magnitude is at least
-            half of float16's maximum (non-finite elements included).
+            2**15, float16's largest power of two (within a factor of two of
+            its maximum), non-finite elements included.
     """
 
     percentile: tf.Tensor
@@ -108,49 +107,8 @@ def gradient_statistics(gradients, underflow_rate) -> GradientStatistics:
     >>> float(s.percentile), float(s.amax), round(float(s.zero_fraction), 6)
     (2.0, 4.0, 0.2)
     """
-    magnitudes = _pooled_magnitudes(gradients)
-    statistics, _ = _statistics_of_magnitudes(magnitudes, _as_float64(underflow_rate))
-    return GradientStatistics(*statistics)
-
-
-def _statistics_of_magnitudes(magnitudes, underflow_rate):
-    """The `GradientStatistics` fields and the `log2_histogram` of a flat
-    float32 tensor of magnitudes, in linear passes: no sort."""
-    size = tf.cast(tf.size(magnitudes), tf.float32)
-    is_zero = tf.equal(magnitudes, 0.0)
-    zeros = tf.reduce_sum(tf.cast(is_zero, tf.float32))
-    nonzero = size - zeros
-    subnormal = tf.reduce_sum(
-        tf.cast(
-            tf.logical_and(
-                tf.logical_not(is_zero), magnitudes < FLOAT16_MIN_NORMAL
-            ),
-            tf.float32,
-        )
-    )
-    # `>=` is False for NaN: count non-finite elements explicitly.
-    near_max = tf.reduce_sum(
-        tf.cast(
-            tf.logical_or(
-                magnitudes >= FLOAT16_NEAR_MAX,
-                tf.logical_not(tf.math.is_finite(magnitudes)),
-            ),
-            tf.float32,
-        )
-    )
-    amax = nan_max(magnitudes)
-    counts = _exponent_counts(magnitudes, is_zero)
-    percentile = _percentile(counts, nonzero, underflow_rate)
-    size = tf.maximum(size, 1.0)
-    statistics = (percentile, amax, zeros / size, subnormal / size, near_max / size)
-    return statistics, _histogram(counts, size)
-
-
-# Exponent bins: one per float32 binary exponent, _LOWEST to _HIGHEST (TF's
-# CPU kernels flush float32 subnormals to zero), then one for non-finite
-# magnitudes, which rank above every finite one.
-_LOWEST, _HIGHEST = _pow2.MIN_EXPONENT, _pow2.MAX_EXPONENT
-_NON_FINITE_BIN = _HIGHEST - _LOWEST + 1
+    statistics, _ = statistics_of_tallies(tally(gradients)[tf.newaxis], underflow_rate)
+    return GradientStatistics(*[field[0] for field in statistics])
 
 
 def nan_max(values, axis=None) -> tf.Tensor:
@@ -167,58 +125,6 @@ def nan_max(values, axis=None) -> tf.Tensor:
         tf.constant(float("nan")),
         tf.reduce_max(values, axis),
     )
-
-
-def _exponent_counts(magnitudes, is_zero):
-    """int32 counts of the nonzero magnitudes per binary exponent bin."""
-    finite = tf.math.is_finite(magnitudes)
-    exponents = _pow2.floor_log2(
-        tf.maximum(tf.where(finite, magnitudes, 1.0), 2.0**_LOWEST)
-    )
-    bins = tf.where(finite, exponents - _LOWEST, _NON_FINITE_BIN)
-    return tf.math.unsorted_segment_sum(
-        tf.cast(tf.logical_not(is_zero), tf.int32), bins, _NON_FINITE_BIN + 1
-    )
-
-
-def _percentile(counts, nonzero, underflow_rate):
-    """The `underflow_rate` quantile of the nonzero magnitudes (lower
-    interpolation), rounded down to a power of two: the lower edge of the
-    exponent bin that holds the element of rank floor(rate * (nonzero-1))
-    (the relative 2**-40 absorbs float64's rounding of a decimal rate,
-    0.29 * 100 = 28.999999999999996, and moves no rank that is genuinely
-    below an integer by more than that). Rounding down keeps every
-    comparison with a power of two exact: q * s >= 2**-14 holds for the
-    rounded q exactly when it holds for q. inf when that element is not
-    finite; 0 when every element is zero."""
-    rank = tf.floor(
-        underflow_rate
-        * tf.maximum(tf.cast(nonzero, tf.float64) - 1.0, 0.0)
-        * (1.0 + 2.0**-40)
-    )
-    below = tf.cast(tf.math.cumsum(counts), tf.float64) <= rank
-    bin_ = tf.reduce_sum(tf.cast(below, tf.int32))
-    percentile = tf.where(
-        bin_ >= _NON_FINITE_BIN, tf.constant(float("inf")), _pow2.pow2(bin_ + _LOWEST)
-    )
-    return tf.where(nonzero > 0, percentile, 0.0)
-
-
-def _histogram(counts, size):
-    """`log2_histogram` from exponent counts: the fraction of all elements
-    per exponent in `HISTOGRAM_EXPONENTS`, the end bins taking the float32
-    exponents beyond them; zeros and non-finite elements in no bin."""
-    low = HISTOGRAM_EXPONENTS[0] - _LOWEST
-    high = HISTOGRAM_EXPONENTS[-1] - _LOWEST
-    bins = tf.concat(
-        [
-            tf.reduce_sum(counts[: low + 1])[tf.newaxis],
-            counts[low + 1 : high],
-            tf.reduce_sum(counts[high:_NON_FINITE_BIN])[tf.newaxis],
-        ],
-        0,
-    )
-    return tf.cast(bins, tf.float32) / size
 
 
 def choose_scale(
@@ -341,139 +247,171 @@ def log2_histogram(gradients) -> tf.Tensor:
     ...     [4, 24]]
     array([0.25, 0.5 ], dtype=float32)
     """
-    magnitudes = _pooled_magnitudes(gradients)
-    size = tf.maximum(tf.cast(tf.size(magnitudes), tf.float32), 1.0)
-    return _histogram(_exponent_counts(magnitudes, tf.equal(magnitudes, 0.0)), size)
+    _, histograms = statistics_of_tallies(tally(gradients)[tf.newaxis], 0.0)
+    return histograms[0]
 
 
-# Layout of the vector `measure` returns: the `GradientStatistics` fields,
-# then the `log2_histogram` bins. Replicas take the maximum of the first
-# two entries and the mean of the rest (all fractions).
-MEASUREMENT_SIZE = len(GradientStatistics._fields) + len(HISTOGRAM_EXPONENTS)
-MAXIMUM_ENTRIES = 2
+# -- tallies: what a scaling point measures on an update step ---------------
+#
+# A tally is a gradient's amax followed by how many of its elements have
+# each float32 exponent field, read from the bit pattern of |g| as float32:
+# field 0 holds the zeros (and float32 subnormals, which TensorFlow's CPU
+# kernels read as zero), fields 1 to 254 the binary exponents -126 to 127,
+# field 255 the non-finite elements. Scales are powers of two, so the
+# exponent is all the rule needs: every statistic, for any underflow rate,
+# and the statistics of the same gradient times any power of two, come from
+# the tally without touching the gradient again.
+_EXPONENT_FIELDS = 256
+_NON_FINITE_FIELD = _EXPONENT_FIELDS - 1
+TALLY_SIZE = 1 + _EXPONENT_FIELDS
 
 
-def measure(gradients, underflow_rate) -> tf.Tensor:
-    """`gradient_statistics` and `log2_histogram` of `gradients` (float
-    tensors of any shape, pooled) as one float32 vector of
-    `MEASUREMENT_SIZE`; `split_measurement` takes it apart.
+def _field(exponent):
+    """The exponent field of binary exponent `exponent` (a normal float32)."""
+    return exponent - _pow2.MIN_EXPONENT + 1
 
-    Runs out of line: one function per combination of gradient dtypes,
-    traced once per process and called by every scaling point, so a model
-    with a hundred scaling points holds one copy of these ops instead of a
-    hundred (tracing and graph optimisation time stay close to the plain
-    model's). Scaling points call it only on update steps.
+
+def tally(gradients) -> tf.Tensor:
+    """The tally of `gradients` (a tensor or a list of tensors of any float
+    dtype and shape, pooled): a float32 vector of `TALLY_SIZE`, its amax
+    (`nan_max` of the magnitudes) then one count per float32 exponent field.
+
+    A few elementwise ops and one segment sum per gradient: this is what a
+    scaling point runs on an update step. `statistics_of_tallies` derives
+    everything else, for all points at once. Counts are exact up to 2**24
+    elements per exponent (float32).
+
+    >>> t = tally(tf.constant([0.0, -1.5, 2.0**-20, 1.0], tf.float16))
+    >>> float(t[0]), float(t[1]), float(t[1 + _field(0)]), float(t[1 + _field(-20)])
+    (1.5, 1.0, 2.0, 1.0)
     """
-    gradients = [tf.reshape(g, [-1]) for g in gradients]
-    key = tuple(g.dtype for g in gradients)
-    function = _MEASURE_FUNCTIONS.get(key)
-    if function is None:
-        function = _measure.get_concrete_function(
-            [tf.TensorSpec([None], dtype) for dtype in key],
-            tf.TensorSpec([], tf.float64),
+    if not isinstance(gradients, (list, tuple)):
+        gradients = [gradients]
+    amaxes, counts = [], []
+    for g in gradients:
+        magnitudes = tf.abs(tf.reshape(tf.cast(g, tf.float32), [-1]))
+        amaxes.append(nan_max(magnitudes))
+        fields = tf.bitwise.right_shift(tf.bitcast(magnitudes, tf.int32), 23)
+        counts.append(
+            tf.math.unsorted_segment_sum(tf.ones_like(fields), fields, _EXPONENT_FIELDS)
         )
-        _MEASURE_FUNCTIONS[key] = function
-    return function(gradients, _as_float64(underflow_rate))
+    amax = amaxes[0] if len(amaxes) == 1 else nan_max(tf.stack(amaxes))
+    count = counts[0] if len(counts) == 1 else tf.add_n(counts)
+    return tf.concat([amax[tf.newaxis], tf.cast(count, tf.float32)], 0)
 
 
-def split_measurement(measurement):
-    """`(GradientStatistics, histogram)` from a `measure` vector."""
-    fields = len(GradientStatistics._fields)
-    return (
-        GradientStatistics(*tf.unstack(measurement[:fields])),
-        measurement[fields:],
-    )
+def statistics_of_tallies(tallies, underflow_rate) -> tuple:
+    """`(GradientStatistics, histograms)` of every row of `tallies`
+    ([points, TALLY_SIZE]): each field of the statistics a [points] tensor,
+    the `log2_histogram`s [points, len(HISTOGRAM_EXPONENTS)]. One pass over
+    the rows, no sort: the percentile is the lower edge of the exponent bin
+    that holds the element of rank floor(rate * (nonzero - 1)).
 
-
-def shift_measurement(measurement, factor) -> tf.Tensor:
-    """The `measure` vector the same gradient would give multiplied by
-    `factor`, a power of two (a float32 scalar): what a point's incoming
-    gradient becomes when the scales downstream of it change by `factor`.
-
-    The percentile and amax are multiplied by `factor` (exact) and the
-    histogram moves by log2(factor) bins (the end bins keep what moves past
-    them). The subnormal and near-max fractions are read again from the
-    moved histogram (the near-max one from its top bin, 2**15 and above),
-    except that a gradient that is not finite keeps its near-max fraction,
-    which counts the non-finite elements no bin holds (such a measurement
-    keeps the point's scale anyway); the zero fraction stays. With `factor`
-    1 the vector comes back unchanged.
-
-    >>> m = measure([tf.constant([2.0**-16, 1.0, 0.0], tf.float16)], 0.0)
-    >>> shifted = shift_measurement(m, tf.constant(4.0))
-    >>> [float(v) for v in shifted[:4]]
-    [6.103515625e-05, 4.0, 0.3333333432674408, 0.0]
+    >>> t = tally(tf.constant([0.0, 1.0, 2.0, 3.0, 4.0]))
+    >>> stats, _ = statistics_of_tallies(tf.stack([t, t * 0.0]), 0.5)
+    >>> stats.percentile.numpy(), stats.zero_fraction.numpy()
+    (array([2., 0.], dtype=float32), array([0.2, 0. ], dtype=float32))
     """
-    return shift_measurements(measurement[tf.newaxis], tf.reshape(factor, [1]))[0]
+    tallies = tf.convert_to_tensor(tallies, tf.float32)
+    counts = tallies[:, 1:]
+    size = tf.reduce_sum(counts, 1)
+    zeros = counts[:, 0]
+    nonzero = size - zeros
+    subnormal = tf.reduce_sum(counts[:, 1 : _field(-14)], 1)
+    near_max = tf.reduce_sum(counts[:, _field(FLOAT16_MAX_EXPONENT) :], 1)
+    percentile = _percentile(counts[:, 1:], nonzero, _as_float64(underflow_rate))
+    size = tf.maximum(size, 1.0)
+    statistics = GradientStatistics(
+        percentile, tallies[:, 0], zeros / size, subnormal / size, near_max / size
+    )
+    return statistics, _histograms(counts, size)
 
 
-def shift_measurements(measurements, factors) -> tf.Tensor:
-    """`shift_measurement` of every row of `measurements` ([points,
-    MEASUREMENT_SIZE]) by its entry of `factors` ([points]), in one pass
-    over all rows: an update shifts every point's measurement at once."""
-    factors = tf.cast(factors, tf.float32)
-    fields = len(GradientStatistics._fields)
-    statistics = measurements[:, :fields]
-    histograms = measurements[:, fields:]
-    bins = len(HISTOGRAM_EXPONENTS)
-    rows = tf.shape(measurements)[0]
-    moved_to = tf.clip_by_value(
-        tf.range(bins)[tf.newaxis] + _pow2.floor_log2(factors)[:, tf.newaxis],
-        0,
-        bins - 1,
+def _percentile(counts, nonzero, underflow_rate):
+    """The `underflow_rate` quantile of each row's nonzero magnitudes
+    (lower interpolation), rounded down to a power of two, from `counts`
+    ([points, fields 1..255]): the lower edge of the exponent bin that holds
+    the element of rank floor(rate * (nonzero-1)) (the relative 2**-40
+    absorbs float64's rounding of a decimal rate, 0.29 * 100 =
+    28.999999999999996, and moves no rank that is genuinely below an
+    integer by more than that). Rounding down keeps every comparison with a
+    power of two exact: q * s >= 2**-14 holds for the rounded q exactly when
+    it holds for q. inf when that element is not finite; 0 when every
+    element is zero."""
+    rank = tf.floor(
+        underflow_rate
+        * tf.maximum(tf.cast(nonzero, tf.float64) - 1.0, 0.0)
+        * (1.0 + 2.0**-40)
     )
-    # One segment sum over all rows: row r's bins are segments r * bins + i.
-    segments = moved_to + (tf.range(rows) * bins)[:, tf.newaxis]
-    moved = tf.reshape(
-        tf.math.unsorted_segment_sum(
-            tf.reshape(histograms, [-1]), tf.reshape(segments, [-1]), rows * bins
-        ),
-        [rows, bins],
+    below = tf.math.cumsum(tf.cast(counts, tf.float64), axis=1) <= rank[:, tf.newaxis]
+    bin_ = tf.reduce_sum(tf.cast(below, tf.int32), 1)
+    percentile = tf.where(
+        bin_ >= _NON_FINITE_FIELD - 1,
+        tf.constant(float("inf")),
+        _pow2.pow2(bin_ + _pow2.MIN_EXPONENT),
     )
-    subnormal = tf.reduce_sum(moved[:, : HISTOGRAM_EXPONENTS.index(-14)], 1)
-    column = GradientStatistics._fields.index
-    amax = statistics[:, column("amax")]
-    near_max = tf.where(
-        tf.math.is_finite(amax),
-        moved[:, -1],
-        statistics[:, column("near_max_fraction")],
-    )
-    shifted = tf.concat(
+    return tf.where(nonzero > 0, percentile, 0.0)
+
+
+def _histograms(counts, size):
+    """`log2_histogram`s from exponent-field counts ([points, 256]): the
+    fraction of all elements per exponent in `HISTOGRAM_EXPONENTS`, the end
+    bins taking the float32 exponents beyond them; zeros and non-finite
+    elements in no bin."""
+    low = _field(HISTOGRAM_EXPONENTS[0])
+    high = _field(HISTOGRAM_EXPONENTS[-1])
+    bins = tf.concat(
         [
-            tf.stack(
-                [
-                    statistics[:, column("percentile")] * factors,
-                    amax * factors,
-                    statistics[:, column("zero_fraction")],
-                    subnormal,
-                    near_max,
-                ],
-                1,
-            ),
-            moved,
+            tf.reduce_sum(counts[:, 1 : low + 1], 1, keepdims=True),
+            counts[:, low + 1 : high],
+            tf.reduce_sum(counts[:, high:_NON_FINITE_FIELD], 1, keepdims=True),
         ],
         1,
     )
-    return tf.where(tf.equal(factors, 1.0)[:, tf.newaxis], measurements, shifted)
+    return bins / size[:, tf.newaxis]
 
 
-_MEASURE_FUNCTIONS = {}
+def shift_tallies(tallies, factors) -> tf.Tensor:
+    """The tallies ([points, TALLY_SIZE]) the same gradients would give
+    multiplied by `factors` ([points], powers of two): what a point's
+    incoming gradient becomes when the scales downstream of it change. amax
+    is multiplied (exact); every finite nonzero count moves by log2(factor)
+    exponents, those that would leave float32's normal range staying at its
+    end; zeros and non-finite elements stay. A factor of 1 returns the row
+    unchanged.
 
-
-@tf.function(autograph=False, experimental_attributes={"_noinline": True})
-def _measure(gradients, underflow_rate):
-    magnitudes = _pooled_magnitudes(gradients)
-    statistics, histogram = _statistics_of_magnitudes(magnitudes, underflow_rate)
-    return tf.concat([tf.stack(statistics), histogram], 0)
-
-
-def _pooled_magnitudes(gradients):
-    """|g| of every element of `gradients` (a tensor or a list of them, any
-    shapes), in float32, as one flat vector."""
-    if not isinstance(gradients, (list, tuple)):
-        gradients = [gradients]
-    magnitudes = [tf.reshape(tf.abs(tf.cast(g, tf.float32)), [-1]) for g in gradients]
-    return magnitudes[0] if len(magnitudes) == 1 else tf.concat(magnitudes, 0)
+    >>> t = tally(tf.constant([2.0**-16, 1.0, 0.0], tf.float16))
+    >>> shifted = shift_tallies(t[tf.newaxis], tf.constant([4.0]))
+    >>> stats, _ = statistics_of_tallies(shifted, 0.0)
+    >>> float(stats.percentile[0]), float(stats.amax[0]), float(stats.subnormal_fraction[0])
+    (6.103515625e-05, 4.0, 0.0)
+    """
+    tallies = tf.convert_to_tensor(tallies, tf.float32)
+    factors = tf.cast(factors, tf.float32)
+    rows = tf.shape(tallies)[0]
+    fields = tf.range(_EXPONENT_FIELDS)
+    finite = tf.logical_and(fields > 0, fields < _NON_FINITE_FIELD)
+    moved_to = tf.where(
+        finite[tf.newaxis],
+        tf.clip_by_value(
+            fields[tf.newaxis] + _pow2.floor_log2(factors)[:, tf.newaxis],
+            1,
+            _NON_FINITE_FIELD - 1,
+        ),
+        fields[tf.newaxis],
+    )
+    # One segment sum over all rows: row r's fields are segments r * 256 + i.
+    segments = moved_to + (tf.range(rows) * _EXPONENT_FIELDS)[:, tf.newaxis]
+    moved = tf.reshape(
+        tf.math.unsorted_segment_sum(
+            tf.reshape(tallies[:, 1:], [-1]),
+            tf.reshape(segments, [-1]),
+            rows * _EXPONENT_FIELDS,
+        ),
+        [rows, _EXPONENT_FIELDS],
+    )
+    shifted = tf.concat([(tallies[:, 0] * factors)[:, tf.newaxis], moved], 1)
+    return tf.where(tf.equal(factors, 1.0)[:, tf.newaxis], tallies, shifted)
 
 
 def _as_float64(value):

@@ -38,8 +38,8 @@ class ScalingPoint(keras.layers.Layer):
       (-1 before the first).
     - `measured`: float32 vector, what the backward pass of the last
       update step measured of the incoming gradient, before any exchange
-      between replicas: the scale T_out it carried, then
-      `tf_als.rule.measure`'s vector.
+      between replicas: the scale T_out it carried, then its
+      `tf_als.rule.tally` (amax and a count per binary exponent).
     - `measured_step`: int64 scalar, the step of that measurement (-1
       before the first).
 
@@ -75,9 +75,9 @@ class ScalingPoint(keras.layers.Layer):
         self.last_update = self._state("last_update", (), "int64", -1)
         self.measured = self._state(
             "measured",
-            (1 + rule.MEASUREMENT_SIZE,),
+            (1 + rule.TALLY_SIZE,),
             "float32",
-            np.zeros([1 + rule.MEASUREMENT_SIZE], np.float32),
+            np.zeros([1 + rule.TALLY_SIZE], np.float32),
         )
         self.measured_step = self._state("measured_step", (), "int64", -1)
         self.built = True

@@ -1,24 +1,26 @@
 """Choosing new per-layer scales: once per update, in the optimizer's apply.
 
 On an update step the backward pass runs with the scales in force and only
-measures: each scaling point stores what its incoming gradient looked like,
-and the scale T_out that gradient carried, in its own state (each replica
-its own copy). The optimizer's `apply` then calls `update_scales`, which
+measures: each scaling point stores the tally of its incoming gradient
+(`tf_als.rule.tally`: amax and a count per binary exponent) and the scale
+T_out that gradient carried, in its own state (each replica its own copy).
+The optimizer's `apply` then calls `update_scales`, which
 
 1. stacks every point's measurement into one tensor and, with several
-   replicas, exchanges it in a single all-gather (the max of percentile and
-   amax, the mean of the fractions: every replica then decides from the
-   same numbers);
+   replicas, exchanges it in a single all-gather (the max of amax, the sum
+   of the counts: every replica then decides from the tally of the global
+   batch);
 2. walks the points from the outputs back, as the backward pass does, to
    find the lift T_out each point's gradient will carry. A point's
    measurement was taken under the old scales downstream of it; those may
    just have changed, and the scales are powers of two, so the gradient it
    will receive is its measured gradient times T_out(new) / T_out(old),
-   exactly for amax and the percentile. The walk carries only scalars: the
-   amax each point chooses its scale from (`tf_als.rule.choose_scale`);
-3. shifts every measurement by its factor (`tf_als.rule.shift_measurements`)
-   and chooses the scales again, all points at once, and writes the new
-   scales and the (shifted) records.
+   exactly. The walk adds and clips exponents: the amax each point chooses
+   its scale from (`tf_als.rule.choose_scale`) moves by the change in T_out;
+3. shifts every tally by its factor (`tf_als.rule.shift_tallies`), derives
+   the statistics and histograms of all points at once
+   (`tf_als.rule.statistics_of_tallies`), and writes the new scales and the
+   records.
 
 The new scales serve from the next step on. Between updates nothing here
 runs, and nothing is exchanged.
@@ -61,11 +63,12 @@ def update_scales(model, step, backoff, config):
     t_out, exponents = _walk(model, measured, reached, current, backoff, config)
     scales = _pow2.pow2(exponents)
     # Everything else at once, over [points, ...] tensors.
-    shifted = rule.shift_measurements(
+    tallies = rule.shift_tallies(
         measured[:, 1:], _pow2.pow2(t_out - _pow2.floor_log2(measured[:, 0]))
     )
-    fields = len(rule.GradientStatistics._fields)
-    statistics = rule.GradientStatistics(*tf.unstack(shifted[:, :fields], axis=1))
+    statistics, shifted_histograms = rule.statistics_of_tallies(
+        tallies, config.underflow_rate
+    )
     records = tf.where(
         reached[:, tf.newaxis],
         state_module.record_vector(_pow2.pow2(exponents + t_out), statistics, axis=1),
@@ -73,7 +76,7 @@ def update_scales(model, step, backoff, config):
     )
     histograms = tf.where(
         reached[:, tf.newaxis],
-        shifted[:, fields:],
+        shifted_histograms,
         tf.stack([_read(p.histogram) for p in points]),
     )
     steps = tf.where(reached, step, tf.stack([_read(p.last_update) for p in points]))
@@ -98,7 +101,7 @@ def _walk(model, measured, reached, current, backoff, config) -> tuple:
     computed once for all points (`tf_als.rule.safe_exponent`), and a
     gradient lifted by 2**f allows f less. An unreached point, or one whose
     gradient was all zero or not finite, keeps its scale."""
-    amax = measured[:, 1 + rule.GradientStatistics._fields.index("amax")]
+    amax = measured[:, 1]  # [scale_out, tally], a tally starting with amax
     safe = tf.unstack(rule.safe_exponent(amax, config.overflow_margin, backoff))
     usable = tf.unstack(tf.logical_and(rule.usable_amax(amax, backoff), reached))
     then = tf.unstack(_pow2.floor_log2(measured[:, 0]))
@@ -138,24 +141,20 @@ def replicas_in_sync():
     return 1 if context is None else context.num_replicas_in_sync
 
 
-# Columns of a point's row that replicas reduce by their maximum: the
-# incoming scale (the same on every replica), the percentile and amax. The
-# others are fractions of equal shares of the global batch: their mean is
-# the global batch's fraction.
-_MAXIMUM_COLUMNS = 1 + rule.MAXIMUM_ENTRIES
-
-
 def across_replicas(measured):
-    """`measured` ([points, columns]) reduced over the replicas in sync with
-    one all-gather (`tf.distribute.ReduceOp` has no MAX); unchanged with one
-    replica. A NaN on any replica stays NaN, as it would on one device
-    (where it keeps the scale); a max reduction may drop NaN."""
+    """`measured` ([points, 1 + TALLY_SIZE] rows of `[scale_out, tally]`)
+    reduced over the replicas in sync with one all-gather: the maximum of
+    the incoming scale (the same on every replica) and of amax, the sum of
+    the exponent counts, so every replica decides from the tally of the
+    global batch, as one device would. Unchanged with one replica. A NaN
+    amax on any replica stays NaN, as it would on one device (where it
+    keeps the scale); a max reduction may drop NaN."""
     replicas = replicas_in_sync()
     if replicas == 1:
         return measured
     context = tf.distribute.get_replica_context()
     gathered = context.all_gather(measured[tf.newaxis], axis=0)
     gathered = tf.reshape(gathered, [replicas] + measured.shape.as_list())
-    maxima = rule.nan_max(gathered[:, :, :_MAXIMUM_COLUMNS], 0)
-    means = tf.reduce_mean(gathered[:, :, _MAXIMUM_COLUMNS:], 0)
-    return tf.concat([maxima, means], 1)
+    maxima = rule.nan_max(gathered[:, :, :2], 0)
+    counts = tf.reduce_sum(gathered[:, :, 2:], 0)
+    return tf.concat([maxima, counts], 1)
