@@ -80,13 +80,21 @@ def update_scales(model, step, backoff, config):
         tf.stack([_read(p.histogram) for p in points]),
     )
     steps = tf.where(reached, step, tf.stack([_read(p.last_update) for p in points]))
+    # One unstack per field, not one slice per point and field.
+    rows = zip(
+        points,
+        tf.unstack(scales),
+        tf.unstack(records),
+        tf.unstack(histograms),
+        tf.unstack(steps),
+    )
     assigns = []
-    for i, point in enumerate(points):
+    for point, scale, record, histogram, last_update in rows:
         assigns += [
-            point.scale.assign(scales[i]),
-            point.record.assign(records[i]),
-            point.histogram.assign(histograms[i]),
-            point.last_update.assign(steps[i]),
+            point.scale.assign(scale),
+            point.record.assign(record),
+            point.histogram.assign(histogram),
+            point.last_update.assign(last_update),
         ]
     with tf.control_dependencies(assigns):
         return tf.constant(True)
@@ -102,21 +110,30 @@ def _walk(model, measured, reached, current, backoff, config) -> tuple:
     gradient lifted by 2**f allows f less. An unreached point, or one whose
     gradient was all zero or not finite, keeps its scale."""
     amax = measured[:, 1]  # [scale_out, tally], a tally starting with amax
-    safe = tf.unstack(rule.safe_exponent(amax, config.overflow_margin, backoff))
-    usable = tf.unstack(tf.logical_and(rule.usable_amax(amax, backoff), reached))
-    then = tf.unstack(_pow2.floor_log2(measured[:, 0]))
-    kept = tf.unstack(_pow2.floor_log2(current))
-    reached = tf.unstack(reached)
-    ceiling = int(math.log2(config.max_layer_scale))
-    t_out, chosen = [None] * len(then), [None] * len(then)
+    safe = rule.safe_exponent(amax, config.overflow_margin, backoff)
+    usable = tf.logical_and(rule.usable_amax(amax, backoff), reached)
+    kept = _pow2.floor_log2(current)
+    # A point whose gradient arrives lifted by 2**inherited (instead of the
+    # 2**then it was measured with) may take exponent safe + then -
+    # inherited, clipped to [-inherited, ceiling]: its T_in exponent is
+    # min(max(safe + then, 0), ceiling + inherited). Only the last clip
+    # depends on the walk.
+    wanted = tf.maximum(safe + _pow2.floor_log2(measured[:, 0]), 0)
+    ceiling = tf.constant(int(math.log2(config.max_layer_scale)))
+    unreached, zero = tf.constant(UNREACHED), tf.constant(0)
+    per_point = zip(
+        tf.unstack(wanted), tf.unstack(usable), tf.unstack(kept), tf.unstack(reached)
+    )
+    per_point = list(per_point)
+    t_out = [None] * len(per_point)
 
     def decide(index, inherited):
-        inherited = tf.convert_to_tensor(inherited, tf.int32)
-        exponent = safe[index] - (inherited - then[index])
-        exponent = tf.minimum(tf.maximum(exponent, -inherited), ceiling)
+        wanted_, usable_, kept_, reached_ = per_point[index]
         t_out[index] = inherited
-        chosen[index] = tf.where(usable[index], exponent, kept[index])
-        return tf.where(reached[index], chosen[index] + inherited, UNREACHED)
+        t_in = tf.where(
+            usable_, tf.minimum(wanted_, ceiling + inherited), kept_ + inherited
+        )
+        return tf.where(reached_, t_in, unreached)
 
     scales = algebra.Scales(model.plan, unit=0)
     scales_in = {}
@@ -124,12 +141,14 @@ def _walk(model, measured, reached, current, backoff, config) -> tuple:
         if call.point is None:
             continue
         inherited = scales.call(call)
-        t_in = decide(call.point, 0 if inherited is None else inherited)
+        t_in = decide(call.point, zero if inherited is None else inherited)
         scales.point_scales[call.index] = scales_in[call.point] = t_in
     for index, inner in model.inner_points:
-        parent = 0 if inner.parent is None else scales_in[inner.parent]
+        parent = zero if inner.parent is None else scales_in[inner.parent]
         scales_in[index] = decide(index, parent)
-    return tf.stack(t_out), tf.stack(chosen)
+    t_out = tf.stack(t_out)
+    chosen = tf.where(usable, tf.minimum(wanted, ceiling + t_out) - t_out, kept)
+    return t_out, chosen
 
 
 def _read(variable):
