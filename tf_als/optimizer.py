@@ -172,6 +172,8 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # Set once a loop calls check_skips with batches: an eager `apply`
         # then leaves the check (and the promotion) to the loop.
         self._loop_checks = False
+        # While `apply` runs: (its gradients, their `_finite_flags`).
+        self._checked = None
 
     def build(self, var_list):
         super().build(var_list)
@@ -205,8 +207,15 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             # still those the backward pass ran with.
             self._update_scales(model)
         own = list(grads)
-        super().apply(_agree_across_replicas(list(own)), trainable_variables)
-        self._record_first_skip(own)  # This replica's own, unpoisoned.
+        # One finiteness pass per gradient, shared by the agreement between
+        # replicas, Keras's check (`check_finite`) and the first-skip record.
+        flags = _finite_flags(own)
+        self._checked = (own, flags)
+        try:
+            super().apply(_agree_across_replicas(list(own), flags), trainable_variables)
+        finally:
+            self._checked = None
+        self._record_first_skip(flags)  # This replica's own, unpoisoned.
         if tf.executing_eagerly() and not self._loop_checks:
             self.check_skips()
 
@@ -315,23 +324,21 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         the check can pass and the non-finite gradient is applied, leaving
         the embedding NaN for good (seen on a KerasHub Llama with dropout
         0.1 under Keras's `LossScaleOptimizer`)."""
-        return _grads_finite(grads)
+        checked = getattr(self, "_checked", None)
+        if checked is not None and _same_tensors(checked[0], grads):
+            flags = checked[1]  # Computed in `apply` for these very tensors.
+        else:
+            flags = _finite_flags(grads)
+        return _all_true(flags)
 
-    def _record_first_skip(self, grads):
+    def _record_first_skip(self, flags):
         """After Keras's apply: if this step began a streak of skipped
-        steps, records where its gradients were not finite (the pass over
-        the gradients runs on that step only)."""
+        steps, records where its gradients were not finite, from `flags`
+        (`_finite_flags` of this replica's own gradients)."""
 
         def record():
-            flags = tf.stack(
-                [
-                    tf.constant(True) if g is None else _all_finite(g)
-                    for g in grads
-                ]
-                or [tf.constant(True)]
-            )
-            bad = tf.logical_not(flags)
-            positions = tf.range(tf.size(flags, out_type=tf.int32))
+            bad = tf.logical_not(tf.stack(flags or [tf.constant(True)]))
+            positions = tf.range(tf.size(bad, out_type=tf.int32))
             self.first_non_finite.assign(
                 tf.stack(
                     [
@@ -588,7 +595,7 @@ def _all_finite(gradient) -> tf.Tensor:
     return tf.reduce_all(tf.math.is_finite(gradient))
 
 
-def _agree_across_replicas(grads):
+def _agree_across_replicas(grads, flags):
     """With several replicas in sync, makes every replica see a non-finite
     gradient when any replica has one.
 
@@ -602,6 +609,7 @@ def _agree_across_replicas(grads):
     per step), and a replica whose own gradients are finite while another's
     are not turns its smallest dense gradient into NaN, so that Keras's
     check skips the step everywhere. Nothing changes with one replica.
+    `flags` are `_finite_flags(grads)`.
     """
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
@@ -612,7 +620,7 @@ def _agree_across_replicas(grads):
     ]
     if not dense:
         return grads
-    local_bad = tf.logical_not(_grads_finite(grads))
+    local_bad = tf.logical_not(_all_true(flags))
     bad = context.all_reduce(
         tf.distribute.ReduceOp.SUM, tf.cast(local_bad, tf.float32)
     ) > 0.0
@@ -651,7 +659,14 @@ def _loss_function(loss):
     return loss_fn
 
 
-def _grads_finite(grads) -> tf.Tensor:
-    """Whether every gradient of `grads` (None ones skipped) is finite."""
-    flags = [_all_finite(g) for g in grads if g is not None]
+def _finite_flags(grads) -> list:
+    """Whether each gradient of `grads` is finite (True for None)."""
+    return [tf.constant(True) if g is None else _all_finite(g) for g in grads]
+
+
+def _all_true(flags) -> tf.Tensor:
     return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
+
+
+def _same_tensors(a, b) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
