@@ -10,8 +10,7 @@ with `fit` on the same synthetic batches:
   to the chunk length, so every timed chunk holds exactly one update step;
 - `tf_als_1`: update_interval 1 (statistics and a scale choice every step).
 
-Set-up is the wall time of the first `fit` call of one step (trace,
-compile, run). The variants then train in alternating chunks of `--chunk`
+The variants train in alternating chunks of `--chunk`
 steps for `--rounds` rounds; a callback times every step but the first of
 each chunk (which also sets up `fit`'s iterator); each chunk's update step
 falls in its middle. Reported, as
@@ -25,10 +24,13 @@ ratios to Keras's median step:
 - interval 1: tf_als_1's median step (measured);
 - interval 10 and 100: (between + update extra / interval), implied by the
   two measured numbers above;
-- set-up: first `fit` call;
+- set-up: the first `fit` call (one step: trace, compile, run), in a fresh
+  process per variant (in the timing process, whichever variant runs first
+  would also pay the process's one-time costs);
 - peak memory: the process's resident set size sampled every 2 ms during
-  the timed steps, in a fresh process per variant (`--memory`; most of it
-  is the TensorFlow runtime, so this is what a user's process sees).
+  `--chunk` steps, in the same fresh processes (`--no-memory` leaves it
+  out of the table; most of it is the TensorFlow runtime, so this is what a
+  user's process sees).
 
 The timing is repeated under `tf.distribute.MirroredStrategy` over two
 logical CPU devices (XLA off; not for ResNet50, whose steps take seconds
@@ -223,15 +225,19 @@ def _rss_mib():
     return float("nan")
 
 
-def memory_worker(args):
-    """Resident set size (MiB) of one variant's process after `fit`'s
-    set-up, and its peak while training."""
-    strategy = _strategy("single")
+def fresh_worker(args):
+    """One variant in a fresh process: the wall time of its first `fit`
+    call (one step: trace, compile, run), then the resident set size (MiB)
+    after it and the peak while training `--chunk` more steps."""
+    strategy = _strategy(args.strategy)
     model, x, y, batch = make(
         args.variant, args.model, args.xla == "on", args.chunk, args.blocks,
         strategy, args.batch,
     )
-    model.fit(dataset(x, y, batch, 2), epochs=1, verbose=0)
+    start = time.perf_counter()
+    model.fit(dataset(x, y, batch, 1), epochs=1, verbose=0)
+    setup = time.perf_counter() - start
+    model.fit(dataset(x, y, batch, 1), epochs=1, verbose=0)
     after_setup = _rss_mib()
     peak, done = [after_setup], threading.Event()
 
@@ -245,7 +251,7 @@ def memory_worker(args):
     model.fit(dataset(x, y, batch, args.chunk), epochs=1, verbose=0)
     done.set()
     sampler.join()
-    return {"after_setup": after_setup, "peak": peak[0]}
+    return {"setup": setup, "after_setup": after_setup, "peak": peak[0]}
 
 
 def _strategy(kind):
@@ -299,11 +305,9 @@ def summarise(timed):
         "interval_1": every / keras_step,
         "interval_10": (between + extra / 10) / keras_step,
         "interval_100": (between + extra / 100) / keras_step,
-        "setup": timed["tf_als"]["setup"] / timed["keras"]["setup"],
-        "setup_keras_s": timed["keras"]["setup"],
         "update_steps": len(updates),
         "step_seconds": {v: timed[v]["steps"] for v in VARIANTS},
-        "setup_seconds": {v: timed[v]["setup"] for v in VARIANTS},
+        "setup_in_one_process_seconds": {v: timed[v]["setup"] for v in VARIANTS},
     }
 
 
@@ -357,7 +361,7 @@ def main():
     parser.add_argument("--no-sweep", action="store_true")
     parser.add_argument("--output", default="overhead")
     # Worker arguments.
-    parser.add_argument("--worker", choices=("time", "memory"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=("time", "fresh"), help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     parser.add_argument("--strategy", default="single", help=argparse.SUPPRESS)
@@ -369,7 +373,7 @@ def main():
         import warnings
 
         warnings.simplefilter("ignore")
-        result = time_worker(args) if args.worker == "time" else memory_worker(args)
+        result = time_worker(args) if args.worker == "time" else fresh_worker(args)
         print(json.dumps(result))
         return
 
@@ -388,13 +392,17 @@ def main():
             rounds=rounds,
             **summarise(timed),
         )
+        fresh = {
+            v: _run_worker("--worker", "fresh", "--strategy", strategy, "--variant", v, *base)
+            for v in ("keras", "tf_als")
+        }
+        row["setup"] = fresh["tf_als"]["setup"] / fresh["keras"]["setup"]
+        row["setup_seconds"] = {v: fresh[v]["setup"] for v in fresh}
         if memory:
-            peaks = {
-                v: _run_worker("--worker", "memory", "--variant", v, *base)
-                for v in ("keras", "tf_als")
+            row["memory"] = fresh["tf_als"]["peak"] / fresh["keras"]["peak"]
+            row["memory_mib"] = {
+                v: {k: fresh[v][k] for k in ("after_setup", "peak")} for v in fresh
             }
-            row["memory"] = peaks["tf_als"]["peak"] / peaks["keras"]["peak"]
-            row["memory_mib"] = peaks
         rows.append(row)
         print(table([row]).splitlines()[-1], flush=True)
         write(rows, args.output)  # after every row: a long run can be cut
