@@ -158,7 +158,7 @@ def test_one_packed_exchange_per_update_and_one_flag_per_step(run):
     all-reduce does not go through the replica context's methods;
     synchronized BatchNormalization's all-reduces do, of its [1, channels]
     moments, and are left aside."""
-    from tf_als import state
+    from tf_als import rule
 
     points = len(run["mirrored"]["scales"])
     flags = [
@@ -174,7 +174,7 @@ def test_one_packed_exchange_per_update_and_one_flag_per_step(run):
     # tf.function once), so one exchange per replica.
     assert len(gathers) == REPLICAS, gathers
     for gather in gathers:
-        assert gather["shapes"] == [[1, points, state.MEASURED_SIZE]], gather
+        assert gather["shapes"] == [[1, points, 1 + rule.TALLY_SIZE]], gather
         assert "cond" in gather["graph"], gather
 
 

@@ -289,8 +289,8 @@ class Backward:
         return scale
 
     def _measure(self, state, upstream, scale_out):
-        """On update steps, writes `[scale_out, tally(upstream), step]`
-        into the point's state (one variable: one write); returns the branch's flag (None when
+        """On update steps, writes `[scale_out, tally(upstream)]` and the
+        step into the point's state; returns the branch's flag (None when
         no optimizer drives the scales). A tally is a few elementwise ops
         and one segment sum (`rule.tally`); the statistics are derived from
         it once per update, for all points at once (`tf_als.update`), so
@@ -301,14 +301,14 @@ class Backward:
 
         def measure():
             vector = tf.concat(
-                [
-                    tf.reshape(tf.cast(scale_out, tf.float64), [1]),
-                    rule.tally(upstream),
-                    tf.reshape(tf.cast(step_pass.step, tf.float64), [1]),
-                ],
+                [tf.reshape(tf.cast(scale_out, tf.float32), [1]), rule.tally(upstream)],
                 0,
             )
-            with tf.control_dependencies([state.measured.assign(vector)]):
+            writes = [
+                state.measured.assign(vector),
+                state.measured_step.assign(step_pass.step),
+            ]
+            with tf.control_dependencies(writes):
                 return tf.constant(True)
 
         return tf.cond(step_pass.measure, measure, lambda: tf.constant(False))

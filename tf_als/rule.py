@@ -120,10 +120,9 @@ def nan_max(values, axis=None) -> tf.Tensor:
     >>> nan_max(tf.constant([[1.0, 2.0], [float("inf"), 0.0]]), 0).numpy()
     array([inf,  2.], dtype=float32)
     """
-    values = tf.convert_to_tensor(values)
     return tf.where(
         tf.reduce_any(tf.math.is_nan(values), axis),
-        tf.constant(float("nan"), values.dtype),
+        tf.constant(float("nan")),
         tf.reduce_max(values, axis),
     )
 
@@ -274,13 +273,13 @@ def _field(exponent):
 
 def tally(gradients) -> tf.Tensor:
     """The tally of `gradients` (a tensor or a list of tensors of any float
-    dtype and shape, pooled): a float64 vector of `TALLY_SIZE`, its amax
-    (`nan_max` of the magnitudes, a float32 value) then one count per float32
-    exponent field (float64 holds every count exactly).
+    dtype and shape, pooled): a float32 vector of `TALLY_SIZE`, its amax
+    (`nan_max` of the magnitudes) then one count per float32 exponent field.
 
     A few elementwise ops and one segment sum per gradient: this is what a
     scaling point runs on an update step. `statistics_of_tallies` derives
-    everything else, for all points at once.
+    everything else, for all points at once. Counts are exact up to 2**24
+    elements per exponent (float32).
 
     >>> t = tally(tf.constant([0.0, -1.5, 2.0**-20, 1.0], tf.float16))
     >>> float(t[0]), float(t[1]), float(t[1 + _field(0)]), float(t[1 + _field(-20)])
@@ -298,9 +297,7 @@ def tally(gradients) -> tf.Tensor:
         )
     amax = amaxes[0] if len(amaxes) == 1 else nan_max(tf.stack(amaxes))
     count = counts[0] if len(counts) == 1 else tf.add_n(counts)
-    return tf.concat(
-        [tf.cast(amax, tf.float64)[tf.newaxis], tf.cast(count, tf.float64)], 0
-    )
+    return tf.concat([amax[tf.newaxis], tf.cast(count, tf.float32)], 0)
 
 
 def statistics_of_tallies(tallies, underflow_rate) -> tuple:
@@ -315,7 +312,7 @@ def statistics_of_tallies(tallies, underflow_rate) -> tuple:
     >>> stats.percentile.numpy(), stats.zero_fraction.numpy()
     (array([2., 0.], dtype=float32), array([0.2, 0. ], dtype=float32))
     """
-    tallies = tf.cast(tallies, tf.float64)
+    tallies = tf.convert_to_tensor(tallies, tf.float32)
     counts = tallies[:, 1:]
     size = tf.reduce_sum(counts, 1)
     zeros = counts[:, 0]
@@ -325,13 +322,9 @@ def statistics_of_tallies(tallies, underflow_rate) -> tuple:
     percentile = _percentile(counts[:, 1:], nonzero, _as_float64(underflow_rate))
     size = tf.maximum(size, 1.0)
     statistics = GradientStatistics(
-        percentile,
-        *[
-            tf.cast(v, tf.float32)
-            for v in (tallies[:, 0], zeros / size, subnormal / size, near_max / size)
-        ],
+        percentile, tallies[:, 0], zeros / size, subnormal / size, near_max / size
     )
-    return statistics, tf.cast(_histograms(counts, size), tf.float32)
+    return statistics, _histograms(counts, size)
 
 
 def _percentile(counts, nonzero, underflow_rate):
@@ -347,10 +340,10 @@ def _percentile(counts, nonzero, underflow_rate):
     element is zero."""
     rank = tf.floor(
         underflow_rate
-        * tf.maximum(nonzero - 1.0, 0.0)
+        * tf.maximum(tf.cast(nonzero, tf.float64) - 1.0, 0.0)
         * (1.0 + 2.0**-40)
     )
-    below = tf.math.cumsum(counts, axis=1) <= rank[:, tf.newaxis]
+    below = tf.math.cumsum(tf.cast(counts, tf.float64), axis=1) <= rank[:, tf.newaxis]
     bin_ = tf.reduce_sum(tf.cast(below, tf.int32), 1)
     percentile = tf.where(
         bin_ >= _NON_FINITE_FIELD - 1,
@@ -393,7 +386,7 @@ def shift_tallies(tallies, factors) -> tf.Tensor:
     >>> float(stats.percentile[0]), float(stats.amax[0]), float(stats.subnormal_fraction[0])
     (6.103515625e-05, 4.0, 0.0)
     """
-    tallies = tf.cast(tallies, tf.float64)
+    tallies = tf.convert_to_tensor(tallies, tf.float32)
     factors = tf.cast(factors, tf.float32)
     rows = tf.shape(tallies)[0]
     fields = tf.range(_EXPONENT_FIELDS)
@@ -417,8 +410,7 @@ def shift_tallies(tallies, factors) -> tf.Tensor:
         ),
         [rows, _EXPONENT_FIELDS],
     )
-    amax = tallies[:, 0] * tf.cast(factors, tf.float64)
-    shifted = tf.concat([amax[:, tf.newaxis], moved], 1)
+    shifted = tf.concat([(tallies[:, 0] * factors)[:, tf.newaxis], moved], 1)
     return tf.where(tf.equal(factors, 1.0)[:, tf.newaxis], tallies, shifted)
 
 

@@ -14,8 +14,6 @@ from tf_als import rule
 # Layout of the `record` vector: the cumulative scale, then the fields of
 # `rule.GradientStatistics` in order.
 RECORD_FIELDS = ("cumulative_scale",) + rule.GradientStatistics._fields
-# Layout of the `measured` vector: T_out, the tally, the step.
-MEASURED_SIZE = 1 + rule.TALLY_SIZE + 1
 
 
 @keras.saving.register_keras_serializable(package="tf_als")
@@ -38,14 +36,15 @@ class ScalingPoint(keras.layers.Layer):
       `tf_als.rule.HISTOGRAM_EXPONENTS`).
     - `last_update`: int64 scalar, the optimizer step of the last update
       (-1 before the first).
-    - `measured`: float64 vector, what the backward pass of the last
+    - `measured`: float32 vector, what the backward pass of the last
       update step measured of the incoming gradient, before any exchange
-      between replicas: the scale T_out it carried, its
-      `tf_als.rule.tally` (amax and a count per binary exponent), then the
-      step (-1 before the first).
+      between replicas: the scale T_out it carried, then its
+      `tf_als.rule.tally` (amax and a count per binary exponent).
+    - `measured_step`: int64 scalar, the step of that measurement (-1
+      before the first).
 
-    On update steps the backward pass writes `measured` (each replica its
-    own), and the optimizer's `apply`
+    On update steps the backward pass writes `measured` and
+    `measured_step` (each replica its own), and the optimizer's `apply`
     then writes the others (see `tf_als.update`). Under `tf.distribute`
     every replica writes the same, aggregated values into the others, so
     all are synchronised on read from the first replica.
@@ -74,9 +73,13 @@ class ScalingPoint(keras.layers.Layer):
             np.zeros([len(rule.HISTOGRAM_EXPONENTS)], np.float32),
         )
         self.last_update = self._state("last_update", (), "int64", -1)
-        never = np.zeros([MEASURED_SIZE], np.float64)
-        never[-1] = -1.0
-        self.measured = self._state("measured", (MEASURED_SIZE,), "float64", never)
+        self.measured = self._state(
+            "measured",
+            (1 + rule.TALLY_SIZE,),
+            "float32",
+            np.zeros([1 + rule.TALLY_SIZE], np.float32),
+        )
+        self.measured_step = self._state("measured_step", (), "int64", -1)
         self.built = True
 
     def _state(self, name, shape, dtype, initial):

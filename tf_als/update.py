@@ -58,13 +58,13 @@ def update_scales(model, step, backoff, config):
     """
     points = model.scaling_points
     measured = across_replicas(tf.stack([_read(p.measured) for p in points]))
-    reached = tf.equal(measured[:, -1], tf.cast(step, tf.float64))
+    reached = tf.equal(tf.stack([_read(p.measured_step) for p in points]), step)
     current = tf.stack([_read(p.scale) for p in points])
     t_out, exponents = _walk(model, measured, reached, current, backoff, config)
     scales = _pow2.pow2(exponents)
     # Everything else at once, over [points, ...] tensors.
     tallies = rule.shift_tallies(
-        measured[:, 1:-1], _pow2.pow2(t_out - _pow2.floor_log2(measured[:, 0]))
+        measured[:, 1:], _pow2.pow2(t_out - _pow2.floor_log2(measured[:, 0]))
     )
     statistics, shifted_histograms = rule.statistics_of_tallies(
         tallies, config.underflow_rate
@@ -109,7 +109,7 @@ def _walk(model, measured, reached, current, backoff, config) -> tuple:
     computed once for all points (`tf_als.rule.safe_exponent`), and a
     gradient lifted by 2**f allows f less. An unreached point, or one whose
     gradient was all zero or not finite, keeps its scale."""
-    amax = measured[:, 1]  # [scale_out, tally, step], a tally starting with amax
+    amax = measured[:, 1]  # [scale_out, tally], a tally starting with amax
     safe = rule.safe_exponent(amax, config.overflow_margin, backoff)
     usable = tf.logical_and(rule.usable_amax(amax, backoff), reached)
     kept = _pow2.floor_log2(current)
@@ -161,13 +161,13 @@ def replicas_in_sync():
 
 
 def across_replicas(measured):
-    """`measured` ([points, state.MEASURED_SIZE] rows of `[scale_out, tally,
-    step]`) reduced over the replicas in sync with one all-gather: the
-    maximum of the incoming scale and the step (the same on every replica)
-    and of amax, the sum of the exponent counts, so every replica decides
-    from the tally of the global batch, as one device would. Unchanged
-    with one replica. A NaN amax on any replica stays NaN, as it would on
-    one device (where it keeps the scale); a max reduction may drop NaN."""
+    """`measured` ([points, 1 + TALLY_SIZE] rows of `[scale_out, tally]`)
+    reduced over the replicas in sync with one all-gather: the maximum of
+    the incoming scale (the same on every replica) and of amax, the sum of
+    the exponent counts, so every replica decides from the tally of the
+    global batch, as one device would. Unchanged with one replica. A NaN
+    amax on any replica stays NaN, as it would on one device (where it
+    keeps the scale); a max reduction may drop NaN."""
     replicas = replicas_in_sync()
     if replicas == 1:
         return measured
@@ -175,6 +175,5 @@ def across_replicas(measured):
     gathered = context.all_gather(measured[tf.newaxis], axis=0)
     gathered = tf.reshape(gathered, [replicas] + measured.shape.as_list())
     maxima = rule.nan_max(gathered[:, :, :2], 0)
-    counts = tf.reduce_sum(gathered[:, :, 2:-1], 0)
-    step = tf.reduce_max(gathered[:, :, -1:], 0)
-    return tf.concat([maxima, counts, step], 1)
+    counts = tf.reduce_sum(gathered[:, :, 2:], 0)
+    return tf.concat([maxima, counts], 1)
