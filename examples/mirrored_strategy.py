@@ -81,13 +81,10 @@ def build_model(input_shape=(8, 8, 1)) -> keras.Model:
     return keras.Model(inputs, outputs, name="digits_cnn")
 
 
-def replica_values(strategy, variable) -> list:
-    """The value each replica holds of a (synchronised-on-read) variable."""
-    value = getattr(variable, "value", variable)  # keras.Variable -> tf
-    return [
-        np.asarray(v).item()
-        for v in strategy.experimental_local_results(value)
-    ]
+def replica_values(row) -> list:
+    """The value each replica holds of a scaling point's state (a
+    `tf_als.state.Row`: its variables are synchronised on read)."""
+    return [np.asarray(v).item() for v in row.replica_values()]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -151,11 +148,11 @@ def main(argv=None) -> dict:
     # Every replica holds its own copy of each scaling point's state; they
     # must agree, since all replicas apply the same per-layer scales.
     per_replica = {
-        point.point_name: replica_values(strategy, point.scale)
+        point.point_name: replica_values(point.scale)
         for point in model.scaling_points
     }
     last_update = {
-        point.point_name: replica_values(strategy, point.last_update)
+        point.point_name: replica_values(point.last_update)
         for point in model.scaling_points
     }
     print("\nPer-layer loss scales (as each replica holds them):")

@@ -100,10 +100,8 @@ def _per_replica(strategy, model):
     for point in model.scaling_points:
         values = {}
         for name in ("scale", "record", "last_update"):
-            variable = getattr(point, name).value
             values[name] = [
-                np.asarray(v).tolist()
-                for v in strategy.experimental_local_results(variable)
+                np.asarray(v).tolist() for v in getattr(point, name).replica_values()
             ]
         result.append(values)
     return result

@@ -12,10 +12,11 @@ function, so every variable receives exactly S times its true gradient,
 whichever calls it came from; `keras.optimizers.LossScaleOptimizer` then
 divides by S.
 
-The per-layer scales are read from the points' state; the backward pass
-never chooses them. On update steps it measures each point's incoming
-gradient into the point's state, and the optimizer's `apply` chooses the
-scales of the following steps from those measurements (`tf_als.update`).
+The per-layer scales are read from the model's `tf_als.state.ScalingState`;
+the backward pass never chooses them. On update steps it measures each
+point's incoming gradient into its row of that state, and the optimizer's
+`apply` chooses the scales of the following steps from those measurements
+(`tf_als.update`).
 """
 
 import typing
@@ -50,7 +51,7 @@ class Backward:
 
     Args:
         plan: the model's `tf_als.graph.Plan`.
-        points: the `tf_als.state.ScalingPoint` of each scaling point.
+        state: the model's `tf_als.state.ScalingState` (row i: point i).
         find_pass: called once, when the backward pass starts, to get the
             step's `Pass` (`None`: no optimizer drives the scales, and
             nothing is measured). It is looked up then, not at the forward
@@ -59,9 +60,9 @@ class Backward:
         inner: `(index, tf_als.composite.Inner)` of each inner point.
     """
 
-    def __init__(self, plan, points, find_pass, inner=()):
+    def __init__(self, plan, state, find_pass, inner=()):
         self.plan = plan
-        self.points = points
+        self.state = state
         self.scales = algebra.Scales(plan)
         self._find_pass = find_pass
         self._pass = None
@@ -281,17 +282,16 @@ class Backward:
         first of its calls to run backwards measures."""
         if point in self._used:
             return self._used[point]
-        state = self.points[point]
-        done = self._measure(state, upstream, scale_out)
+        done = self._measure(point, upstream, scale_out)
         with tf.control_dependencies([] if done is None else [done]):
-            scale = tf.identity(tf.convert_to_tensor(state.scale))
+            scale = tf.gather(tf.convert_to_tensor(self.state.scales), point)
         self._used[point] = scale
         return scale
 
-    def _measure(self, state, upstream, scale_out):
+    def _measure(self, point, upstream, scale_out):
         """On update steps, writes `[scale_out, tally(upstream)]` and the
-        step into the point's state; returns the branch's flag (None when
-        no optimizer drives the scales). A tally is a few elementwise ops
+        step into the point's row of the state; returns the branch's flag
+        (None when no optimizer drives the scales). A tally is a few elementwise ops
         and one segment sum (`rule.tally`); the statistics are derived from
         it once per update, for all points at once (`tf_als.update`), so
         between updates the untaken branch costs a few skipped ops."""
@@ -304,10 +304,7 @@ class Backward:
                 [tf.reshape(tf.cast(scale_out, tf.float32), [1]), rule.tally(upstream)],
                 0,
             )
-            writes = [
-                state.measured.assign(vector),
-                state.measured_step.assign(step_pass.step),
-            ]
+            writes = self.state.write_measurement(point, vector, step_pass.step)
             with tf.control_dependencies(writes):
                 return tf.constant(True)
 

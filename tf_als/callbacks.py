@@ -281,7 +281,7 @@ class ScaleHistory(keras.callbacks.Callback):
             self.skipped_steps += max(steps - (iterations - before), 0)
         self._iterations_before = iterations
         self._batch_before = None
-        last = _read_int(self.model.scaling_points[0].last_update)
+        last = int(self.model.scaling_points[0].last_update.numpy())
         if before is None:
             happened = last >= 0 and last != self._last_seen
         else:
@@ -312,14 +312,13 @@ class ScaleHistory(keras.callbacks.Callback):
         self.history["loss_scale"].append(loss_scale)
         self.history["skipped_steps"].append(self.skipped_steps)
         rows = []
-        for point in self.model.scaling_points:
-            values = point.read()
-            histogram = point.read_histogram()
-            target = self.history["points"][point.point_name]
+        state_ = self.model.scaling_state
+        for point, (values, histogram) in zip(state_.point_names, state_.read()):
+            target = self.history["points"][point]
             for quantity in POINT_QUANTITIES:
                 target[quantity].append(values[quantity])
             target["histogram"].append([float(v) for v in histogram])
-            rows.append((point.point_name, values, histogram))
+            rows.append((point, values, histogram))
         if self.log_dir is not None:
             self._write(step, loss_scale, rows)
 

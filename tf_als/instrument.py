@@ -3,7 +3,6 @@ a layer with weights, and `scales(model)` to read them."""
 
 import dataclasses
 import inspect
-import re
 import warnings
 from typing import Optional
 
@@ -106,10 +105,9 @@ def scales(model: keras.Model) -> dict[str, float]:
         TypeError: `model` was not returned by `tf_als.instrument`.
     """
     _require_instrumented(model, "tf_als.scales()")
-    return {
-        point.point_name: float(keras.ops.convert_to_numpy(point.scale))
-        for point in model.scaling_points
-    }
+    state = model.scaling_state
+    values = keras.ops.convert_to_numpy(state.scales)
+    return {name: float(v) for name, v in zip(state.point_names, values)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,8 +170,9 @@ class InstrumentedModel(keras.Model):
     Made by `tf_als.instrument(model)`; see there. It shares `model`'s layers
     (and so its weights), runs the same layer calls in the same order, and
     adds custom-gradient identities that scale gradients on the way back.
-    Its state is one `tf_als.state.ScalingPoint` per scaling point
-    (`scaling_points`), saved with the model and in checkpoints.
+    Its state is a `tf_als.state.ScalingState` (`scaling_state`: a row per
+    scaling point, stacked), saved with the model and in checkpoints;
+    `scaling_points` views it one point at a time.
 
     Args:
         model: the built model to instrument.
@@ -209,20 +208,14 @@ class InstrumentedModel(keras.Model):
         self._plan = plan
         self._inner = tuple(enumerate(inner, start=len(plan.point_names)))
         names = list(plan.point_names) + [i.name for i in inner]
-        self.scaling_points = [
-            state.ScalingPoint(point_name=name, name=_variable_name(name))
-            for name in names
-        ]
+        self.scaling_state = state.ScalingState(names, name="scaling_state")
         for i in inner:
             if i.parent is not None:  # Not the root of a subclassed model.
                 hooks.install(i.layer)
         _warn_closed(self)
-        # Keras keeps the list as its own list type, which tf.train.Checkpoint
-        # does not follow, and nothing else refers to the points: track each
-        # one by position (names change when a model is rebuilt in the same
-        # process; positions follow the plan and do not).
-        for index, point in enumerate(self.scaling_points):
-            _keras.track(self, point, f"scaling_point_{index}")
+        # For tf.train.Checkpoint; rows follow the plan, so a rebuilt model
+        # maps them back to the same points.
+        _keras.track(self, self.scaling_state, "scaling_state")
         if not graph.is_subclassed(model):
             functional = graph.functional_of(model)
             if hasattr(functional, "output_names"):
@@ -233,6 +226,15 @@ class InstrumentedModel(keras.Model):
     def plan(self):
         """The `tf_als.graph.Plan` the model runs."""
         return self._plan
+
+    @property
+    def scaling_points(self) -> tuple:
+        """A `tf_als.state.ScalingPoint` per scaling point: its view of
+        `scaling_state`, in row order."""
+        return tuple(
+            self.scaling_state.point(i)
+            for i in range(len(self.scaling_state.point_names))
+        )
 
     @property
     def point_infos(self) -> tuple:
@@ -260,7 +262,7 @@ class InstrumentedModel(keras.Model):
         since = link.serial()
         back = backward.Backward(
             self._plan,
-            self.scaling_points,
+            self.scaling_state,
             lambda: _step_pass(link.optimizer_of(self, since)),
             self._inner,
         )
@@ -627,8 +629,3 @@ def _check_plan(plan):
                 "through the layer's scaling point. Move the regularizer "
                 "into a `keras.layers.ActivityRegularization` layer after it."
             )
-
-
-def _variable_name(point_name):
-    """Keras layer and variable names may not contain '/'."""
-    return "scaling_point_" + re.sub(r"[^0-9A-Za-z_.-]", ".", point_name)

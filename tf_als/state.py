@@ -1,8 +1,15 @@
-"""The state of one scaling point: its scale and what it last measured.
+"""The state of the scaling points: their scales and what they measured.
 
-A `ScalingPoint` holds variables only; it is never called in the model's
-graph. The backward pass writes it, callbacks and `tf_als.scales()` read it,
-checkpoints and `model.save` store it.
+An instrumented model holds one `ScalingState`: a few `[points, ...]`
+variables, row i for point i. The backward pass reads the scales and, on
+update steps, writes the measurements; the optimizer's `apply` writes the
+rest; callbacks, `tf_als.scales()`, checkpoints and `model.save` read or
+store it. A `ScalingPoint` is one point's view of those rows.
+
+Stacking matters for speed: every variable a compiled step touches costs
+time on every step (XLA passes each one in and out of the computation, even
+through branches that do not run) and compile time once, so `[points]`
+variables cost what a few per-point ones did.
 """
 
 import keras
@@ -11,116 +18,260 @@ import tensorflow as tf
 
 from tf_als import rule
 
-# Layout of the `record` vector: the cumulative scale, then the fields of
+# Layout of a `records` row: the cumulative scale, then the fields of
 # `rule.GradientStatistics` in order.
 RECORD_FIELDS = ("cumulative_scale",) + rule.GradientStatistics._fields
+# A `measured` row: the scale T_out the gradient carried, then its tally.
+MEASUREMENT_SIZE = 1 + rule.TALLY_SIZE
 
 
 @keras.saving.register_keras_serializable(package="tf_als")
-class ScalingPoint(keras.layers.Layer):
-    """Variables of one scaling point (one call of a layer with weights).
+class ScalingState(keras.layers.Layer):
+    """Variables of every scaling point of an instrumented model, stacked.
 
-    Variables (non-trainable):
+    Row i of each variable belongs to the point `point_names[i]`. All are
+    non-trainable:
 
-    - `scale`: float32 scalar, s_n, the per-layer scale, a power of two
-      >= 1 / T_out(n) (below 1 it gives back lift inherited from downstream).
-    - `record`: float32 vector, what the last update measured and decided,
-      fields in `RECORD_FIELDS` order:
-      `cumulative_scale` T_in(n) = s_n * T_out(n), the scale (relative to
-      the global loss scale S) that the layer's input and weight gradients
-      carry; then the incoming gradient's `percentile`, `amax`,
-      `zero_fraction`, `subnormal_fraction` and `near_max_fraction`
-      (see `tf_als.rule.GradientStatistics`), aggregated over replicas.
-    - `histogram`: float32 vector, `tf_als.rule.log2_histogram` of the
-      incoming gradient at the last update (one bin per exponent in
-      `tf_als.rule.HISTOGRAM_EXPONENTS`).
-    - `last_update`: int64 scalar, the optimizer step of the last update
-      (-1 before the first).
-    - `measured`: float32 vector, what the backward pass of the last
-      update step measured of the incoming gradient, before any exchange
-      between replicas: the scale T_out it carried, then its
-      `tf_als.rule.tally` (amax and a count per binary exponent).
-    - `measured_step`: int64 scalar, the step of that measurement (-1
+    - `scales`: float32 `[points]`, each s_n, the per-layer scale, a power
+      of two >= 1 / T_out(n) (below 1 it gives back lift inherited from
+      downstream).
+    - `records`: float32 `[points, len(RECORD_FIELDS)]`, what the last
+      update measured and decided: `cumulative_scale` T_in(n) = s_n *
+      T_out(n), the scale (relative to the global loss scale S) that the
+      layer's input and weight gradients carry; then the incoming
+      gradient's `percentile`, `amax`, `zero_fraction`,
+      `subnormal_fraction` and `near_max_fraction` (see
+      `tf_als.rule.GradientStatistics`), aggregated over replicas.
+    - `histograms`: float32 `[points, len(rule.HISTOGRAM_EXPONENTS)]`, the
+      `tf_als.rule.log2_histogram` of each incoming gradient at the last
+      update.
+    - `last_updates`: int64 `[points]`, the optimizer step of each point's
+      last update (-1 before the first).
+    - `measured`: float32 `[points, MEASUREMENT_SIZE]`, what the backward
+      pass of the last update step measured of each incoming gradient,
+      before any exchange between replicas: the scale T_out it carried,
+      then its `tf_als.rule.tally` (amax and a count per binary exponent).
+    - `measured_steps`: int64 `[points]`, the step of each measurement (-1
       before the first).
 
-    On update steps the backward pass writes `measured` and
-    `measured_step` (each replica its own), and the optimizer's `apply`
+    On update steps the backward pass writes rows of `measured` and
+    `measured_steps` (each replica its own), and the optimizer's `apply`
     then writes the others (see `tf_als.update`). Under `tf.distribute`
     every replica writes the same, aggregated values into the others, so
     all are synchronised on read from the first replica.
 
     Args:
-        point_name: str, the scaling point's name as `tf_als.scales()`
-            reports it (layer path and call).
+        point_names: the scaling points' names, as `tf_als.scales()`
+            reports them, in row order.
         **kwargs: passed to `keras.layers.Layer` (`name`, ...).
+
+    Example:
+
+    >>> state = ScalingState(["dense", "head"])
+    >>> _ = state.point(1).scale.assign(4.0)
+    >>> keras.ops.convert_to_numpy(state.scales).tolist()
+    [1.0, 4.0]
+    >>> state.point(1).read()["last_update"]
+    -1
     """
 
-    def __init__(self, point_name, **kwargs):
+    def __init__(self, point_names, **kwargs):
         kwargs.setdefault("dtype", "float32")
         kwargs.pop("trainable", None)
         super().__init__(trainable=False, **kwargs)
-        self.point_name = point_name
-        initial_record = np.zeros([len(RECORD_FIELDS)], np.float32)
-        initial_record[0] = 1.0
-        self.scale = self._state("scale", (), "float32", 1.0)
-        self.record = self._state(
-            "record", (len(RECORD_FIELDS),), "float32", initial_record
+        self.point_names = tuple(point_names)
+        if not all(isinstance(n, str) for n in self.point_names):
+            raise TypeError(
+                "`point_names` must be strings; received "
+                f"{list(point_names)!r}."
+            )
+        points = len(self.point_names)
+        records = np.zeros([points, len(RECORD_FIELDS)], np.float32)
+        records[:, 0] = 1.0
+        self.scales = self._state("scales", np.ones([points], np.float32))
+        self.records = self._state("records", records)
+        self.histograms = self._state(
+            "histograms",
+            np.zeros([points, len(rule.HISTOGRAM_EXPONENTS)], np.float32),
         )
-        self.histogram = self._state(
-            "histogram",
-            (len(rule.HISTOGRAM_EXPONENTS),),
-            "float32",
-            np.zeros([len(rule.HISTOGRAM_EXPONENTS)], np.float32),
-        )
-        self.last_update = self._state("last_update", (), "int64", -1)
+        self.last_updates = self._state("last_updates", np.full([points], -1, np.int64))
         self.measured = self._state(
-            "measured",
-            (1 + rule.TALLY_SIZE,),
-            "float32",
-            np.zeros([1 + rule.TALLY_SIZE], np.float32),
+            "measured", np.zeros([points, MEASUREMENT_SIZE], np.float32)
         )
-        self.measured_step = self._state("measured_step", (), "int64", -1)
+        self.measured_steps = self._state(
+            "measured_steps", np.full([points], -1, np.int64)
+        )
         self.built = True
 
-    def _state(self, name, shape, dtype, initial):
+    def _state(self, name, initial):
         return keras.Variable(
             initializer=keras.initializers.Constant(initial),
-            shape=shape,
-            dtype=dtype,
+            shape=initial.shape,
+            dtype=str(initial.dtype),
             trainable=False,
             name=name,
             aggregation="only_first_replica",
             synchronization="on_read",
         )
 
-    def read(self):
-        """The current state as plain Python values: `{"scale": float,
-        "last_update": int, <RECORD_FIELDS>: float}` (the histogram is
-        `read_histogram()`)."""
-        values = {
-            "scale": float(keras.ops.convert_to_numpy(self.scale)),
-            "last_update": int(keras.ops.convert_to_numpy(self.last_update)),
-        }
-        record = keras.ops.convert_to_numpy(self.record)
-        values.update(
-            {field: float(v) for field, v in zip(RECORD_FIELDS, record)}
+    def read(self) -> list:
+        """Every row as plain Python values, one read per variable:
+        `(values, histogram)` per point, `values` as
+        `ScalingPoint.read()` gives them."""
+        scales, records, histograms, last_updates = (
+            keras.ops.convert_to_numpy(v)
+            for v in (self.scales, self.records, self.histograms, self.last_updates)
         )
-        return values
+        rows = []
+        for i in range(len(self.point_names)):
+            values = {"scale": float(scales[i]), "last_update": int(last_updates[i])}
+            values.update({f: float(v) for f, v in zip(RECORD_FIELDS, records[i])})
+            rows.append((values, histograms[i]))
+        return rows
 
-    def read_histogram(self):
-        """The last recorded log2 histogram, as a numpy array."""
-        return keras.ops.convert_to_numpy(self.histogram)
+    def point(self, index: int) -> "ScalingPoint":
+        """Point `index`'s view of the rows."""
+        return ScalingPoint(self, index)
+
+    def write_measurement(self, index: int, measurement, step) -> list:
+        """Writes row `index` of `measured` (`[T_out, tally]`) and of
+        `measured_steps` (`step`); returns the two assignments. Each replica
+        writes its own copy. A synchronised-on-read variable takes no
+        scatter, so the row is written by assigning the whole variable with
+        the row replaced (a few KiB, on update steps only)."""
+        return [
+            _assign_row(self.measured, index, measurement),
+            _assign_row(self.measured_steps, index, step),
+        ]
 
     def call(self, inputs):
         raise TypeError(
-            f"ScalingPoint {self.point_name!r} holds state only and is not "
+            f"ScalingState {self.name!r} holds state only and is not "
             "called; tf_als applies it inside the instrumented model."
         )
 
     def get_config(self):
         config = super().get_config()
-        config["point_name"] = self.point_name
+        config["point_names"] = list(self.point_names)
         return config
+
+
+class ScalingPoint:
+    """One scaling point's view of its `ScalingState` rows.
+
+    `scale`, `record`, `histogram` and `last_update` are `Row`s: read them
+    with `numpy()` (or `np.asarray`, `float`, `tf.convert_to_tensor`),
+    write them with `assign`.
+
+    Args:
+        state: the `ScalingState`.
+        index: the point's row.
+    """
+
+    def __init__(self, state: ScalingState, index: int):
+        self.state = state
+        self.index = int(index)
+        self.point_name = state.point_names[self.index]
+
+    @property
+    def scale(self) -> "Row":
+        """s_n (float32)."""
+        return Row(self.state.scales, self.index)
+
+    @property
+    def record(self) -> "Row":
+        """The last update's record (float32, `RECORD_FIELDS` order)."""
+        return Row(self.state.records, self.index)
+
+    @property
+    def histogram(self) -> "Row":
+        """The last update's log2 histogram (float32)."""
+        return Row(self.state.histograms, self.index)
+
+    @property
+    def last_update(self) -> "Row":
+        """The step of the last update (int64; -1 before the first)."""
+        return Row(self.state.last_updates, self.index)
+
+    def read(self) -> dict:
+        """The current state as plain Python values: `{"scale": float,
+        "last_update": int, <RECORD_FIELDS>: float}` (the histogram is
+        `read_histogram()`)."""
+        return self.state.read()[self.index][0]
+
+    def read_histogram(self) -> np.ndarray:
+        """The last recorded log2 histogram."""
+        return self.histogram.numpy()
+
+    def __repr__(self):
+        return f"<ScalingPoint {self.index} {self.point_name!r}>"
+
+
+class Row:
+    """Row `index` of a stacked state variable, read and written like a
+    variable of its own.
+
+    Args:
+        variable: a `ScalingState` variable.
+        index: the row.
+    """
+
+    def __init__(self, variable, index: int):
+        self.variable = variable
+        self.index = index
+
+    @property
+    def dtype(self):
+        return self.variable.dtype
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.variable.shape[1:])
+
+    def numpy(self) -> np.ndarray:
+        """The row's value (as the first replica holds it)."""
+        return np.asarray(keras.ops.convert_to_numpy(self.variable)[self.index])
+
+    def replica_values(self) -> list:
+        """The row as each replica holds it (one entry without a
+        strategy)."""
+        value = self.variable.value
+        components = getattr(value, "values", None) or (value,)
+        return [np.asarray(np.asarray(v)[self.index]) for v in components]
+
+    def assign(self, value):
+        """Writes the row (in eager code, a `tf.function` or a replica)."""
+        return _assign_row(self.variable, self.index, value)
+
+    def __array__(self, dtype=None, copy=None):
+        value = self.numpy()
+        return value if dtype is None else value.astype(dtype)
+
+    def __float__(self):
+        return float(self.numpy())
+
+    def __int__(self):
+        return int(self.numpy())
+
+    def __repr__(self):
+        return f"<Row {self.index} of {self.variable.name}: {self.numpy()!r}>"
+
+
+def _row_to_tensor(row, dtype=None, name=None, as_ref=False):
+    del as_ref
+    value = tf.gather(tf.convert_to_tensor(row.variable), row.index)
+    return value if dtype is None else tf.cast(value, dtype, name=name)
+
+
+tf.register_tensor_conversion_function(Row, _row_to_tensor)
+
+
+def _assign_row(variable, index, value):
+    current = tf.convert_to_tensor(variable)
+    value = tf.cast(value, current.dtype)
+    return variable.assign(
+        tf.tensor_scatter_nd_update(current, [[index]], value[tf.newaxis])
+    )
 
 
 def record_vector(cumulative_scale, statistics, axis=0):

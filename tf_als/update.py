@@ -3,11 +3,12 @@
 On an update step the backward pass runs with the scales in force and only
 measures: each scaling point stores the tally of its incoming gradient
 (`tf_als.rule.tally`: amax and a count per binary exponent) and the scale
-T_out that gradient carried, in its own state (each replica its own copy).
+T_out that gradient carried, in its row of the model's
+`tf_als.state.ScalingState` (each replica its own copy).
 The optimizer's `apply` then calls `update_scales`, which
 
-1. stacks every point's measurement into one tensor and, with several
-   replicas, exchanges it in a single all-gather (the max of amax, the sum
+1. reads every point's measurement (one `[points, ...]` variable) and,
+   with several replicas, exchanges it in a single all-gather (the max of amax, the sum
    of the counts: every replica then decides from the tally of the global
    batch);
 2. walks the points from the outputs back, as the backward pass does, to
@@ -19,8 +20,8 @@ The optimizer's `apply` then calls `update_scales`, which
    its scale from (`tf_als.rule.choose_scale`) moves by the change in T_out;
 3. shifts every tally by its factor (`tf_als.rule.shift_tallies`), derives
    the statistics and histograms of all points at once
-   (`tf_als.rule.statistics_of_tallies`), and writes the new scales and the
-   records.
+   (`tf_als.rule.statistics_of_tallies`), and writes the new scales and
+   records: four variable writes, whatever the number of points.
 
 The new scales serve from the next step on. Between updates nothing here
 runs, and nothing is exchanged.
@@ -56,12 +57,11 @@ def update_scales(model, step, backoff, config):
     Returns:
         A bool scalar that is True once every variable is written.
     """
-    points = model.scaling_points
-    measured = across_replicas(tf.stack([_read(p.measured) for p in points]))
-    reached = tf.equal(tf.stack([_read(p.measured_step) for p in points]), step)
-    current = tf.stack([_read(p.scale) for p in points])
+    state = model.scaling_state
+    measured = across_replicas(_read(state.measured))
+    reached = tf.equal(_read(state.measured_steps), step)
+    current = _read(state.scales)
     t_out, exponents = _walk(model, measured, reached, current, backoff, config)
-    scales = _pow2.pow2(exponents)
     # Everything else at once, over [points, ...] tensors.
     tallies = rule.shift_tallies(
         measured[:, 1:], _pow2.pow2(t_out - _pow2.floor_log2(measured[:, 0]))
@@ -69,33 +69,18 @@ def update_scales(model, step, backoff, config):
     statistics, shifted_histograms = rule.statistics_of_tallies(
         tallies, config.underflow_rate
     )
-    records = tf.where(
-        reached[:, tf.newaxis],
-        state_module.record_vector(_pow2.pow2(exponents + t_out), statistics, axis=1),
-        tf.stack([_read(p.record) for p in points]),
+    records = state_module.record_vector(
+        _pow2.pow2(exponents + t_out), statistics, axis=1
     )
-    histograms = tf.where(
-        reached[:, tf.newaxis],
-        shifted_histograms,
-        tf.stack([_read(p.histogram) for p in points]),
-    )
-    steps = tf.where(reached, step, tf.stack([_read(p.last_update) for p in points]))
-    # One unstack per field, not one slice per point and field.
-    rows = zip(
-        points,
-        tf.unstack(scales),
-        tf.unstack(records),
-        tf.unstack(histograms),
-        tf.unstack(steps),
-    )
-    assigns = []
-    for point, scale, record, histogram, last_update in rows:
-        assigns += [
-            point.scale.assign(scale),
-            point.record.assign(record),
-            point.histogram.assign(histogram),
-            point.last_update.assign(last_update),
-        ]
+    column = reached[:, tf.newaxis]
+    assigns = [
+        state.scales.assign(_pow2.pow2(exponents)),
+        state.records.assign(tf.where(column, records, _read(state.records))),
+        state.histograms.assign(
+            tf.where(column, shifted_histograms, _read(state.histograms))
+        ),
+        state.last_updates.assign(tf.where(reached, step, _read(state.last_updates))),
+    ]
     with tf.control_dependencies(assigns):
         return tf.constant(True)
 

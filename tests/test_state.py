@@ -1,0 +1,111 @@
+"""The scaling points' state: stacked rows, and what a compiled step touches.
+
+A compiled step pays for every variable it may touch on every step (XLA
+passes each in and out of the computation, through branches that do not
+run too), so tf_als keeps its per-point state in a few `[points, ...]`
+variables. These tests pin that: the variables the traced train step
+captures grow with the number of points exactly as Keras's own do (the
+layers' weights and the inner optimizer's slots), and a point's `Row`
+reads and writes its own row only.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_als
+from tf_als import state as state_module
+
+
+def _mlp(layers):
+    inputs = keras.Input((4,))
+    x = inputs
+    for _ in range(layers):
+        x = keras.layers.Dense(4, activation="tanh")(x)
+    return keras.Model(inputs, keras.layers.Dense(1)(x))
+
+
+def _captured_variables(layers, adaptive, jit_compile):
+    """How many variable handles the train step of a `layers`-deep MLP
+    (plus its head) captures when traced."""
+    model = _mlp(layers)
+    if adaptive:
+        model = tf_als.instrument(model)
+        optimizer = tf_als.AdaptiveLossScaleOptimizer(
+            keras.optimizers.Adam(), update_interval=1
+        )
+    else:
+        optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam())
+    model.compile(optimizer=optimizer, loss="mse", jit_compile=jit_compile)
+    x = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
+    model.fit(x, x[:, :1], batch_size=4, epochs=1, verbose=0)  # builds all
+    # The step as Keras compiles it for `fit` (its `one_step_on_data`).
+    step = tf.function(model.train_step, jit_compile=jit_compile)
+    traced = step.get_concrete_function((x[:4], x[:4, :1]))
+    return sum(t.dtype == tf.resource for t in traced.captured_inputs)
+
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+def test_the_step_touches_as_many_more_variables_whatever_the_points(
+    mixed, jit_compile
+):
+    """2 and 12 hidden layers (3 and 13 points): tf_als's step captures
+    more variables than Keras's by the same count at both depths, so no
+    variable is added per point (before stacking, each point added six)."""
+    extra = {
+        layers: _captured_variables(layers, True, jit_compile)
+        - _captured_variables(layers, False, jit_compile)
+        for layers in (2, 12)
+    }
+    assert extra[2] == extra[12], extra
+    assert 0 < extra[2] <= 16, extra
+
+
+def test_a_row_reads_and_writes_its_own_row_only():
+    state = state_module.ScalingState(["a", "b", "c"])
+    point = state.point(1)
+    point.scale.assign(8.0)
+    point.record.assign(np.arange(len(state_module.RECORD_FIELDS), dtype=np.float32))
+    point.last_update.assign(7)
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(state.scales), [1, 8, 1])
+    assert float(point.scale) == 8.0
+    assert int(point.last_update) == 7
+    assert state.point(0).read()["last_update"] == -1
+    assert state.point(2).read()["cumulative_scale"] == 1.0
+    values = point.read()
+    assert values["scale"] == 8.0 and values["percentile"] == 1.0
+    np.testing.assert_array_equal(
+        tf.convert_to_tensor(point.record).numpy(),
+        np.arange(len(state_module.RECORD_FIELDS)),
+    )
+    assert [v.tolist() for v in point.scale.replica_values()] == [8.0]
+
+
+def test_a_row_is_written_inside_a_compiled_function():
+    state = state_module.ScalingState(["a", "b"])
+
+    @tf.function(jit_compile=True)
+    def write(value):
+        state.point(0).scale.assign(value)
+        return state.write_measurement(
+            1, tf.fill([state_module.MEASUREMENT_SIZE], value), tf.constant(3, tf.int64)
+        )
+
+    write(tf.constant(2.0))
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(state.scales), [2, 1])
+    measured = keras.ops.convert_to_numpy(state.measured)
+    assert (measured[1] == 2.0).all() and (measured[0] == 0.0).all()
+    assert keras.ops.convert_to_numpy(state.measured_steps).tolist() == [-1, 3]
+
+
+def test_point_names_must_be_strings():
+    with pytest.raises(TypeError, match="point_names"):
+        state_module.ScalingState(["a", 3])
+
+
+def test_config_round_trip():
+    state = state_module.ScalingState(["x", "y/call_1"], name="s")
+    again = state_module.ScalingState.from_config(state.get_config())
+    assert again.point_names == ("x", "y/call_1")
+    assert again.name == "s"
