@@ -30,7 +30,10 @@ ratios to Keras's median step:
 - peak memory: the process's resident set size sampled every 2 ms during
   `--chunk` steps, in the same fresh processes (`--no-memory` leaves it
   out of the table; most of it is the TensorFlow runtime, so this is what a
-  user's process sees).
+  user's process sees); and the resident set after the run once glibc's
+  `malloc_trim(0)` has returned the heap's free pages (memory after trim:
+  what is live, without what set-up allocated, freed and the allocator
+  kept).
 
 The timing is repeated under `tf.distribute.MirroredStrategy` over two
 logical CPU devices (XLA off; not for ResNet50, whose steps take seconds
@@ -251,7 +254,26 @@ def fresh_worker(args):
     model.fit(dataset(x, y, batch, args.chunk), epochs=1, verbose=0)
     done.set()
     sampler.join()
-    return {"setup": setup, "after_setup": after_setup, "peak": peak[0]}
+    return {
+        "setup": setup,
+        "after_setup": after_setup,
+        "peak": peak[0],
+        "trimmed": _trimmed_rss_mib(),
+    }
+
+
+def _trimmed_rss_mib():
+    """The resident set size after glibc hands the heap's free pages back
+    to the system (`malloc_trim(0)`): what is live, without what set-up
+    (tracing, XLA's compiler) allocated and freed but the allocator kept.
+    None where glibc is not the allocator."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        return None
+    return _rss_mib()
 
 
 def _strategy(kind):
@@ -335,6 +357,7 @@ COLUMNS = (
     ("interval_100", "interval 100", "{:.3f}"),
     ("setup", "fit set-up", "{:.2f}"),
     ("memory", "peak memory", "{:.3f}"),
+    ("memory_trimmed", "memory after trim", "{:.3f}"),
 )
 
 
@@ -400,8 +423,13 @@ def main():
         row["setup_seconds"] = {v: fresh[v]["setup"] for v in fresh}
         if memory:
             row["memory"] = fresh["tf_als"]["peak"] / fresh["keras"]["peak"]
+            if fresh["keras"].get("trimmed") and fresh["tf_als"].get("trimmed"):
+                row["memory_trimmed"] = (
+                    fresh["tf_als"]["trimmed"] / fresh["keras"]["trimmed"]
+                )
             row["memory_mib"] = {
-                v: {k: fresh[v][k] for k in ("after_setup", "peak")} for v in fresh
+                v: {k: fresh[v].get(k) for k in ("after_setup", "peak", "trimmed")}
+                for v in fresh
             }
         rows.append(row)
         print(table([row]).splitlines()[-1], flush=True)
