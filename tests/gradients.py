@@ -7,6 +7,9 @@ import tensorflow as tf
 
 from tests.modes import compiled, loop_step
 
+# float16's unit roundoff.
+UNIT_ROUNDOFF = 2.0**-11
+
 
 class GradientRecorder(keras.optimizers.SGD):
     """SGD with learning rate 0 that keeps, in variables, the last gradient
@@ -93,3 +96,54 @@ def compare(gradient, reference):
         "cosine": cosine,
         "relative_error": float(np.linalg.norm(g - r) / norm_r) if norm_r else float("nan"),
     }
+
+
+def faithful(result):
+    """Norm ratio in [0.9, 1.1] and cosine >= 0.99."""
+    return 0.9 <= result["norm_ratio"] <= 1.1 and result["cosine"] >= 0.99
+
+
+def oracle_failures(variables, als_grads, keras_grads, expected, same_order_grads):
+    """The per-variable criteria of the gradient oracle (tests/test_oracle.py
+    explains them), as failure messages: norm ratio in [0.9, 1.1] and
+    cosine >= 0.99 wherever Keras's LossScaleOptimizer achieves both on the
+    plain model (and there Keras on the instrumented graph must achieve
+    them too); relative error at most 1.25 x "Keras's" + 2**-11, where
+    "Keras's" is the larger of Keras's on the plain model (`keras_grads`)
+    and on an instrumented copy it cannot link to, whose per-layer scales
+    all stay 1 (`same_order_grads`); numerically zero float32 gradients
+    (below 1e-5 of the largest norm) judged by their absolute error, on the
+    scale of the largest."""
+    largest = max(np.linalg.norm(g) for g in expected)
+    failures = []
+    for variable, als, kept, same, truth in zip(
+        variables, als_grads, keras_grads, same_order_grads, expected
+    ):
+        if np.linalg.norm(truth) < 1e-5 * largest:
+            error = np.linalg.norm(als - truth)
+            keras_error = max(
+                np.linalg.norm(kept - truth), np.linalg.norm(same - truth)
+            )
+            if error > 1.25 * keras_error + UNIT_ROUNDOFF * largest:
+                failures.append(f"{variable.path}: abs error {error:.2e}")
+            continue
+        ours = compare(als, truth)
+        theirs = compare(kept, truth)
+        reordered = compare(same, truth)
+        if faithful(theirs):
+            if not faithful(ours):
+                failures.append(f"{variable.path}: {ours} (keras: {theirs})")
+            if not faithful(reordered):
+                failures.append(
+                    f"{variable.path}: keras on the instrumented graph "
+                    f"{reordered} (keras: {theirs})"
+                )
+        keras_error = max(theirs["relative_error"], reordered["relative_error"])
+        bound = 1.25 * keras_error + UNIT_ROUNDOFF
+        if ours["relative_error"] > bound:
+            failures.append(
+                f"{variable.path}: relative error {ours['relative_error']:.3e}"
+                f" > {bound:.3e} (keras {theirs['relative_error']:.3e}, on the"
+                f" instrumented graph {reordered['relative_error']:.3e})"
+            )
+    return failures

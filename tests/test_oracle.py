@@ -19,6 +19,24 @@ update, and the second runs on the scales it chose. Per variable:
   both errors are float16 rounding noise of the same size, and we measured
   them to differ by up to 14% (DenseNet121) either way.
 
+"Keras's" error there is the larger of two runs of Keras's
+LossScaleOptimizer: on the mixed model, and on a second instrumented copy
+of it, which Keras's optimizer cannot link to, so its per-layer scales all
+stay 1. Instrumenting alone reassociates float16 additions: where a tensor
+feeds several scaling points, TensorFlow's tape sums their contributions
+in an order that follows the instrumented graph, not the plain one, and a
+float16 sum of three or more terms then rounds differently. On a gradient
+that is a sum with heavy cancellation the difference shows: the tiny
+GPT-2's first query bias (a float32 gradient norm of 5e-5, 4e-4 of its
+attention output bias's) has relative error 3.15e-3 under tf_als and
+2.12e-3 under Keras, and exactly 3.15e-3 again with every per-layer scale
+at 1 (`max_layer_scale=1`), on the machine of 2026-12-01 (the same code
+passed within 1.25 x of Keras's on an earlier CI machine). The same-order
+run isolates what the scales change, and must itself meet the norm and
+cosine criteria wherever Keras does on the plain model, so a mistake in how
+the instrumented graph routes gradients cannot hide behind it
+(tests/test_properties.py found the smallest such graph).
+
 Each case also runs with the loss multiplied by 2**-16 (a small auxiliary
 loss, or a mean over many elements), where Keras's fixed 2**15 leaves
 gradients near float16's subnormal range and per-layer scales matter.
@@ -37,14 +55,11 @@ relative-error bound on the absolute scale of the largest gradient.
 """
 
 import keras
-import numpy as np
 import pytest
 
 import tf_als
 from tests import architectures
 from tests import gradients
-
-UNIT_ROUNDOFF = 2.0**-11
 
 
 # Cases taking 7-11 s per loss factor: at the unit loss factor (where one
@@ -86,34 +101,21 @@ def test_inner_optimizer_receives_float32_faithful_gradients(case, factor):
         model, optimizer, x, y, loss, training=case.training
     )
 
+    # Keras's LossScaleOptimizer on an instrumented copy it cannot link to:
+    # every per-layer scale stays 1 (see the module docstring).
+    same_order = tf_als.instrument(mixed)
+    same_order_grads, _ = gradients.applied_gradients(
+        same_order,
+        keras.optimizers.LossScaleOptimizer(gradients.GradientRecorder()),
+        x, y, loss, training=case.training,
+    )
+    assert set(tf_als.scales(same_order).values()) == {1.0}
+
     # The contract: true gradients, in float32, for every trainable variable.
     received = optimizer.inner_optimizer.received_dtypes
     assert set(received.values()) == {"float32"}
     assert len(received) == len(model.trainable_variables)
-
-    largest = max(np.linalg.norm(g) for g in expected)
-    failures = []
-    for variable, als, kept, truth in zip(
-        mixed.trainable_variables, als_grads, keras_grads, expected
-    ):
-        if np.linalg.norm(truth) < 1e-5 * largest:
-            error = np.linalg.norm(als - truth)
-            keras_error = np.linalg.norm(kept - truth)
-            if error > 1.25 * keras_error + UNIT_ROUNDOFF * largest:
-                failures.append(f"{variable.path}: abs error {error:.2e}")
-            continue
-        ours = gradients.compare(als, truth)
-        theirs = gradients.compare(kept, truth)
-        keras_ok = (
-            0.9 <= theirs["norm_ratio"] <= 1.1 and theirs["cosine"] >= 0.99
-        )
-        ours_ok = 0.9 <= ours["norm_ratio"] <= 1.1 and ours["cosine"] >= 0.99
-        if keras_ok and not ours_ok:
-            failures.append(f"{variable.path}: {ours} (keras: {theirs})")
-        bound = 1.25 * theirs["relative_error"] + UNIT_ROUNDOFF
-        if ours["relative_error"] > bound:
-            failures.append(
-                f"{variable.path}: relative error {ours['relative_error']:.3e}"
-                f" > {bound:.3e} (keras {theirs['relative_error']:.3e})"
-            )
+    failures = gradients.oracle_failures(
+        mixed.trainable_variables, als_grads, keras_grads, expected, same_order_grads
+    )
     assert not failures, "\n".join(failures)

@@ -48,9 +48,6 @@ from tests import gradients
 
 layers = keras.layers
 
-# The criteria of tests/test_oracle.py (same constant, same margins).
-UNIT_ROUNDOFF = 2.0**-11
-
 BATCH = 8
 CLASSES = 3
 SPATIAL = {"vector": (), "sequence": (5,), "image": (4, 4)}
@@ -333,73 +330,8 @@ def data(graph, seed=0):
 
 # -- the oracle's criteria ----------------------------------------------
 #
-# tests/test_oracle.py states its criteria inline (there is no function to
-# import), so they are restated here, with one addition. Keras's
-# LossScaleOptimizer is run twice: on the mixed model (as in the oracle) and
-# on a second instrumented copy of it, which it cannot link to, so all its
-# per-layer scales stay 1: the same float16 ops in the same order as tf_als,
-# only without per-layer scales. That second baseline is needed because
-# instrumenting reassociates float16 additions: a fork's backward sums one
-# gradient per consumer, in consumer order, after TF has summed each
-# consumer's repeated uses (`Concatenate()([t, t])`), while the plain graph
-# sums all uses of the tensor in one AddN, in TF's order. With three or more
-# contributions the float16 roundings differ, which the oracle's margin
-# (1.25 x, measured on large tensors) does not cover on tensors of 2-8
-# elements whose gradient is a sum with heavy cancellation: in
-# `SAME_ORDER_EXAMPLE` below, with every per-layer scale at 1, tf_als's bias
-# gradient has relative error 1.3e-2 against Keras's 3.6e-3, and is bitwise
-# equal to the second baseline's. So the relative-error bound is taken from
-# the larger of the two Keras errors, and the second baseline must itself
-# meet the norm and cosine criteria wherever Keras does on the plain model
-# (so a mistake in how the instrumented graph routes gradients cannot hide
-# behind it).
-
-
-def _faithful(result):
-    return 0.9 <= result["norm_ratio"] <= 1.1 and result["cosine"] >= 0.99
-
-
-def oracle_failures(variables, als_grads, keras_grads, expected, same_order_grads):
-    """The per-variable criteria of
-    `test_oracle.test_inner_optimizer_receives_float32_faithful_gradients`
-    (see its module docstring): norm ratio in [0.9, 1.1] and cosine >= 0.99
-    wherever Keras's LossScaleOptimizer achieves both, relative error at
-    most 1.25 x Keras's + 2**-11, numerically zero float32 gradients judged
-    on the absolute scale of the largest one; "Keras's error" is the larger
-    of Keras on the plain and on the instrumented graph (see above)."""
-    largest = max(np.linalg.norm(g) for g in expected)
-    failures = []
-    for variable, als, kept, same, truth in zip(
-        variables, als_grads, keras_grads, same_order_grads, expected
-    ):
-        if np.linalg.norm(truth) < 1e-5 * largest:
-            error = np.linalg.norm(als - truth)
-            keras_error = max(
-                np.linalg.norm(kept - truth), np.linalg.norm(same - truth)
-            )
-            if error > 1.25 * keras_error + UNIT_ROUNDOFF * largest:
-                failures.append(f"{variable.path}: abs error {error:.2e}")
-            continue
-        ours = gradients.compare(als, truth)
-        theirs = gradients.compare(kept, truth)
-        reordered = gradients.compare(same, truth)
-        if _faithful(theirs):
-            if not _faithful(ours):
-                failures.append(f"{variable.path}: {ours} (keras: {theirs})")
-            if not _faithful(reordered):
-                failures.append(
-                    f"{variable.path}: keras on the instrumented graph "
-                    f"{reordered} (keras: {theirs})"
-                )
-        keras_error = max(theirs["relative_error"], reordered["relative_error"])
-        bound = 1.25 * keras_error + UNIT_ROUNDOFF
-        if ours["relative_error"] > bound:
-            failures.append(
-                f"{variable.path}: relative error {ours['relative_error']:.3e}"
-                f" > {bound:.3e} (keras {theirs['relative_error']:.3e}, on the"
-                f" instrumented graph {reordered['relative_error']:.3e})"
-            )
-    return failures
+# `tests.gradients.oracle_failures`, shared with tests/test_oracle.py (which
+# explains the second, same-order baseline it needs).
 
 
 # -- the properties -----------------------------------------------------
@@ -460,7 +392,7 @@ def check_oracle(graph, seed, factor, mode):
     received = optimizer.inner_optimizer.received_dtypes
     assert set(received.values()) == {"float32"}
     assert len(received) == len(model.trainable_variables)
-    failures = oracle_failures(
+    failures = gradients.oracle_failures(
         mixed.trainable_variables, als_grads, keras_grads, expected, same_order_grads
     )
     assert not failures, "\n".join(failures)
