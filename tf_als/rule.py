@@ -284,14 +284,21 @@ def tally(gradients) -> tf.Tensor:
     >>> t = tally(tf.constant([0.0, -1.5, 2.0**-20, 1.0], tf.float16))
     >>> float(t[0]), float(t[1]), float(t[1 + _field(0)]), float(t[1 + _field(-20)])
     (1.5, 1.0, 2.0, 1.0)
+    >>> float(tally(tf.constant([1.0, -float("nan"), float("inf")]))[0])
+    nan
     """
     if not isinstance(gradients, (list, tuple)):
         gradients = [gradients]
     amaxes, counts = [], []
     for g in gradients:
         magnitudes = tf.abs(tf.reshape(tf.cast(g, tf.float32), [-1]))
-        amaxes.append(nan_max(magnitudes))
-        fields = tf.bitwise.right_shift(tf.bitcast(magnitudes, tf.int32), 23)
+        bits = tf.bitcast(magnitudes, tf.int32)
+        # Non-negative floats order as their bit patterns, and NaN's lie
+        # above inf's: one integer max is a NaN-propagating amax (XLA
+        # compiles it in about half the time of `nan_max`'s two
+        # reductions; 0 for an empty gradient).
+        amaxes.append(tf.bitcast(tf.maximum(tf.reduce_max(bits), 0), tf.float32))
+        fields = tf.bitwise.right_shift(bits, 23)
         counts.append(
             tf.math.unsorted_segment_sum(tf.ones_like(fields), fields, _EXPONENT_FIELDS)
         )
