@@ -1,7 +1,8 @@
 """What tf_als costs next to Keras's LossScaleOptimizer, measured side by side.
 
 For each model (a residual CNN, keras.applications ResNet50 at 32x32 and a
-KerasHub GPT-2 with a tiny config), with XLA off and on, one process
+KerasHub GPT-2 with a tiny config; `--models gpt2_mid` adds a 4-layer GPT-2
+of hidden size 256 on 128 tokens), with XLA off and on, one process
 (`--worker`) builds three variants from the same weights and trains them
 with `fit` on the same synthetic batches:
 
@@ -69,7 +70,15 @@ SETTINGS = {
     ("resnet50", "on"): (4, 20, 3),
     ("gpt2", "off"): (None, 20, 3),
     ("gpt2", "on"): (None, 20, 3),
+    ("gpt2_mid", "off"): (8, 10, 3),
+    ("gpt2_mid", "on"): (8, 10, 3),
 }
+# A mid-size GPT-2 (4 layers, hidden size 256, 128 tokens): tf_als's cost
+# per point is fixed, so its share of a step falls as the layers grow.
+GPT2_MID = dict(
+    vocabulary_size=5000, num_layers=4, num_heads=4, hidden_dim=256,
+    intermediate_dim=1024, max_sequence_length=128,
+)
 # GPT-2 is left out: under MirroredStrategy on this machine Keras's own
 # LossScaleOptimizer applies one replica's inf gradient and its weights turn
 # inf (benchmarks/mirrored_gpt2.py), so Keras's side would time a broken run.
@@ -117,6 +126,22 @@ def build(name, blocks, batch):
         _, model = case.build_pair()
         x, y = case.data()
         return model, case.loss, x, y, len(y)
+    if name == "gpt2_mid":
+        import keras_hub
+
+        backbone = keras_hub.models.GPT2Backbone(dropout=0.0, **GPT2_MID)
+        pooled = keras.layers.GlobalAveragePooling1D()(backbone(backbone.input))
+        model = keras.Model(
+            backbone.input, keras.layers.Dense(10, dtype="float32")(pooled)
+        )
+        length = GPT2_MID["max_sequence_length"]
+        x = {
+            "token_ids": rng.integers(
+                0, GPT2_MID["vocabulary_size"], size=(batch, length)
+            ).astype("int32"),
+            "padding_mask": np.ones((batch, length), "int32"),
+        }
+        return model, loss, x, rng.integers(0, 10, size=(batch,)), batch
     if name == "resnet50":
         model = keras.applications.ResNet50(
             weights=None, input_shape=(32, 32, 3), classes=10, classifier_activation=None
