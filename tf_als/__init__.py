@@ -31,7 +31,9 @@ from tf_als.report import Diagnosis
 from tf_als.report import diagnose
 from tf_als.storm import NonFiniteStormError
 
-__version__ = "0.1.0"
+# 0.2.0: the scaling points' state is stacked (`tf_als.state.ScalingState`), so
+# models saved and checkpoints written by 0.1 do not restore their scales.
+__version__ = "0.2.0"
 
 __all__ = [
     "AdaptiveLossScaleOptimizer",
