@@ -291,10 +291,11 @@ class Backward:
     def _measure(self, point, upstream, scale_out):
         """On update steps, writes `[scale_out, tally(upstream)]` and the
         step into the point's row of the state; returns the branch's flag
-        (None when no optimizer drives the scales). A tally is a few elementwise ops
-        and one segment sum (`rule.tally`); the statistics are derived from
-        it once per update, for all points at once (`tf_als.update`), so
-        between updates the untaken branch costs a few skipped ops."""
+        (None when no optimizer drives the scales). A tally is a few
+        elementwise ops and one segment sum (`rule.tally`); the statistics
+        are derived from it once per update, for all points at once
+        (`tf_als.update`), so between updates the untaken branch costs a
+        few skipped ops."""
         step_pass = self.step_pass
         if step_pass is None:
             return None

@@ -281,7 +281,7 @@ class ScaleHistory(keras.callbacks.Callback):
             self.skipped_steps += max(steps - (iterations - before), 0)
         self._iterations_before = iterations
         self._batch_before = None
-        last = int(self.model.scaling_points[0].last_update.numpy())
+        last = _read_int(self.model.scaling_state.last_updates[0])
         if before is None:
             happened = last >= 0 and last != self._last_seen
         else:
@@ -312,8 +312,9 @@ class ScaleHistory(keras.callbacks.Callback):
         self.history["loss_scale"].append(loss_scale)
         self.history["skipped_steps"].append(self.skipped_steps)
         rows = []
-        state_ = self.model.scaling_state
-        for point, (values, histogram) in zip(state_.point_names, state_.read()):
+        scaling_state = self.model.scaling_state
+        read = zip(scaling_state.point_names, scaling_state.read())
+        for point, (values, histogram) in read:
             target = self.history["points"][point]
             for quantity in POINT_QUANTITIES:
                 target[quantity].append(values[quantity])

@@ -220,14 +220,6 @@ class Row:
         self.variable = variable
         self.index = index
 
-    @property
-    def dtype(self):
-        return self.variable.dtype
-
-    @property
-    def shape(self) -> tuple:
-        return tuple(self.variable.shape[1:])
-
     def numpy(self) -> np.ndarray:
         """The row's value (as the first replica holds it)."""
         return np.asarray(keras.ops.convert_to_numpy(self.variable)[self.index])

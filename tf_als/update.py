@@ -8,9 +8,9 @@ T_out that gradient carried, in its row of the model's
 The optimizer's `apply` then calls `update_scales`, which
 
 1. reads every point's measurement (one `[points, ...]` variable) and,
-   with several replicas, exchanges it in a single all-gather (the max of amax, the sum
-   of the counts: every replica then decides from the tally of the global
-   batch);
+   with several replicas, exchanges it in a single all-gather (the max of
+   amax, the sum of the counts: every replica then decides from the tally
+   of the global batch);
 2. walks the points from the outputs back, as the backward pass does, to
    find the lift T_out each point's gradient will carry. A point's
    measurement was taken under the old scales downstream of it; those may
