@@ -142,6 +142,13 @@ def track(owner, child, name: str) -> None:
     owner._track_trackable(child, name=name)
 
 
+def overwrites_with_gradient(optimizer, variable) -> bool:
+    """Whether `optimizer` overwrites `variable` with its "gradient" instead
+    of applying it (Keras's LossScaleOptimizer does not divide those by S).
+    Keras 3.15 `Optimizer._overwrite_variable_with_gradient`; public: none."""
+    return optimizer._overwrite_variable_with_gradient(variable)
+
+
 def optimizer_variables(optimizer) -> list:
     """The trainable variables `optimizer` was built for, in its order.
     Keras 3.15 `Optimizer._trainable_variables`; public: none."""

@@ -9,8 +9,9 @@ function to the next through a `Backward` object made fresh for each
 forward pass (so replicas and retraces never share one). A scaling point's
 weight gradients are divided by T_in(n) in float32 inside its own gradient
 function, so every variable receives exactly S times its true gradient,
-whichever calls it came from; `keras.optimizers.LossScaleOptimizer` then
-divides by S.
+whichever calls it came from; the optimizer then divides by S, in the
+same multiply where a variable's whole gradient is one call's product
+(`tf_als.unscaled`).
 
 The per-layer scales are read from the model's `tf_als.state.ScalingState`;
 the backward pass never chooses them. On update steps it measures each
@@ -29,6 +30,7 @@ from tf_als import algebra
 from tf_als import config as config_module
 from tf_als import hooks
 from tf_als import rule
+from tf_als import unscaled as unscaled_module
 
 
 class Pass(typing.NamedTuple):
@@ -39,11 +41,15 @@ class Pass(typing.NamedTuple):
         measure: bool scalar, whether this step is an update step (the
             points measure their incoming gradients).
         config: the optimizer's `tf_als.config.ScalingConfig`.
+        unscaled: the optimizer's `tf_als.unscaled.UnscaledGradients`,
+            which records the weight gradients this pass unscales (the
+            optimizer divides them by S in the same multiply).
     """
 
     step: tf.Tensor
     measure: tf.Tensor
     config: config_module.ScalingConfig
+    unscaled: unscaled_module.UnscaledGradients
 
 
 class Backward:
@@ -268,9 +274,13 @@ class Backward:
             ys, list(xs) + variables, output_gradients=scaled_upstream
         )
         handled = self._handled.get(point, set())
-        unscale = tf.math.reciprocal(scale_in)
+        factor = tf.math.reciprocal(scale_in)
+        step_pass = self.step_pass
+        unscale = (
+            unscaled_module.unscale if step_pass is None else step_pass.unscaled.unscale
+        )
         variable_grads = [
-            g if id(v) in handled else _unscale(g, unscale)
+            g if id(v) in handled else unscale(g, factor)
             for v, g in zip(variables, grads[len(xs) :])
         ]
         return grads[: len(xs)], variable_grads
@@ -364,20 +374,6 @@ def _rescale(gradient, target, current):
     if gradient.dtype == tf.float32:
         return gradient * factor
     return tf.cast(tf.cast(gradient, tf.float32) * factor, gradient.dtype)
-
-
-def _unscale(gradient, factor):
-    """A weight gradient times `factor` (2**-e_in), in float32."""
-    if gradient is None:
-        return None
-    if isinstance(gradient, tf.IndexedSlices):
-        return tf.IndexedSlices(
-            _unscale(gradient.values, factor),
-            gradient.indices,
-            gradient.dense_shape,
-        )
-    result = tf.cast(gradient, tf.float32) * factor
-    return tf.cast(result, gradient.dtype)
 
 
 def _dense(gradient):

@@ -11,11 +11,13 @@ from typing import Callable, Iterable
 import keras
 import tensorflow as tf
 
+from tf_als import _keras
 from tf_als import backward
 from tf_als import config as config_module
 from tf_als import link
 from tf_als import promote
 from tf_als import storm
+from tf_als import unscaled
 from tf_als import update
 
 DEFAULT_MAX_CONSECUTIVE_SKIPS = 32
@@ -174,6 +176,9 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._loop_checks = False
         # While `apply` runs: (its gradients, their `_finite_flags`).
         self._checked = None
+        # The weight gradients the backward passes unscale (`apply` folds
+        # its division by S into them).
+        self._unscaled = unscaled.UnscaledGradients()
 
     def build(self, var_list):
         super().build(var_list)
@@ -206,7 +211,7 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             # Before Keras's apply: the step counter and global scale are
             # still those the backward pass ran with.
             self._update_scales(model)
-        own = list(grads)
+        own = self._divide_by_scale(list(grads), trainable_variables)
         # One finiteness pass per gradient, shared by the agreement between
         # replicas, Keras's check (`check_finite`) and the first-skip record.
         flags = _finite_flags(own)
@@ -218,6 +223,28 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._record_first_skip(flags)  # This replica's own, unpoisoned.
         if tf.executing_eagerly() and not self._loop_checks:
             self.check_skips()
+
+    def _divide_by_scale(self, grads, trainable_variables):
+        """`grads` divided by the global scale S, before Keras's finite-step
+        conditional rather than inside it (`_stateful_handle_finite_grads`
+        applies them as they come): a gradient the backward pass unscaled
+        as a whole is divided in that same multiply (`tf_als.unscaled`),
+        any other as Keras divides it. Builds the optimizer first, as
+        Keras's `apply` does."""
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+            self.built = True
+        variables = trainable_variables or _keras.optimizer_variables(self)
+        scale = self.dynamic_scale
+        result = []
+        for g, v in zip(grads, variables):
+            if g is None or _keras.overwrites_with_gradient(self, v):
+                result.append(g)
+                continue
+            folded = self._unscaled.divided(g, scale)
+            result.append(keras.ops.divide(g, scale) if folded is None else folded)
+        return result
 
     @property
     def update_interval(self) -> int:
@@ -240,7 +267,10 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         whether it is an update step, and the knobs."""
         step = self._step()
         return backward.Pass(
-            step=step, measure=self._due(step), config=self.scaling_config
+            step=step,
+            measure=self._due(step),
+            config=self.scaling_config,
+            unscaled=self._unscaled,
         )
 
     def _step(self):
@@ -354,7 +384,21 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         tf.cond(first, record, lambda: tf.constant(False))
 
     def _stateful_handle_finite_grads(self, grads, trainable_variables):
-        super()._stateful_handle_finite_grads(grads, trainable_variables)
+        # Keras's own, less its division by S: `apply` divided already.
+        self.inner_optimizer.apply(grads, trainable_variables=trainable_variables)
+
+        def grow():
+            self.step_counter.assign(0)
+            self.dynamic_scale.assign(self.dynamic_scale * 2.0)
+
+        def count():
+            self.step_counter.assign_add(1)
+
+        keras.ops.cond(
+            keras.ops.equal(self.step_counter, self.dynamic_growth_steps - 1),
+            grow,
+            count,
+        )
         self.consecutive_skips.assign(0)
         self._count_window(skipped=0)
 

@@ -1,0 +1,88 @@
+"""The weight gradients a traced backward pass unscaled, so that the
+optimizer can divide them by the global scale S in the same multiply.
+
+Each scaling point hands the tape `raw * factor` for every weight gradient
+of its call (`factor` = 1/T_in, in float32), so every variable receives S
+times its true gradient. Keras's `LossScaleOptimizer` then divides each
+gradient by S: a second elementwise pass over every weight gradient, inside
+the conditional that applies finite steps, where XLA cannot fuse it with
+the first. Where a variable's whole gradient is one such product (one call
+reads the variable, and nothing outside the points does, such as a kernel
+regularizer), `raw * (factor / S)` gives the divided gradient in one pass;
+for powers of two it is the very same float32 value. Any other gradient
+(a sum over calls, a regularizer's term added in) is divided by S as Keras
+divides it.
+
+Products are recognised by object identity within the graph being traced,
+so a match is exact by construction; eager steps record nothing (there the
+product is already computed, and folding would save no work).
+"""
+
+import weakref
+
+import tensorflow as tf
+
+
+def unscale(gradient, factor):
+    """`gradient` times `factor` (a float32 scalar), computed in float32
+    and returned in the gradient's dtype; sparse gradients
+    (`tf.IndexedSlices`) stay sparse, None stays None.
+
+    >>> unscale(tf.constant([2.0, 4.0], tf.float16), tf.constant(0.5)).numpy()
+    array([1., 2.], dtype=float16)
+    """
+    if gradient is None:
+        return None
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            unscale(gradient.values, factor), gradient.indices, gradient.dense_shape
+        )
+    result = tf.cast(gradient, tf.float32) * factor
+    return tf.cast(result, gradient.dtype)
+
+
+class UnscaledGradients:
+    """The `unscale(raw, factor)` products of the graphs being traced.
+
+    Example:
+
+    ```python
+    unscaled = UnscaledGradients()
+    # in the backward pass (inside a `tf.function`):
+    gradient = unscaled.unscale(raw, factor)
+    # in the optimizer, in the same graph:
+    unscaled.divided(gradient, scale)  # unscale(raw, factor / scale)
+    ```
+    """
+
+    def __init__(self):
+        # graph -> {id(product): (product, raw, factor)}; an entry lives as
+        # long as the graph it was traced into.
+        self._graphs = weakref.WeakKeyDictionary()
+
+    def unscale(self, raw, factor):
+        """`unscale(raw, factor)`, recorded when a graph is being traced."""
+        product = unscale(raw, factor)
+        graph = _traced_graph()
+        if graph is not None and product is not None:
+            self._graphs.setdefault(graph, {})[id(product)] = (product, raw, factor)
+        return product
+
+    def divided(self, gradient, scale):
+        """`gradient / scale` computed as `unscale(raw, factor / scale)`, one
+        pass, if `gradient` is a product recorded in the graph being traced;
+        None otherwise."""
+        graph = _traced_graph()
+        products = self._graphs.get(graph, {}) if graph is not None else {}
+        entry = products.get(id(gradient))
+        if entry is None or entry[0] is not gradient:
+            return None
+        _, raw, factor = entry
+        return unscale(raw, factor / tf.cast(scale, tf.float32))
+
+
+def _traced_graph():
+    """The graph being traced, or None when executing eagerly."""
+    if tf.executing_eagerly():
+        return None
+    return tf.compat.v1.get_default_graph()
