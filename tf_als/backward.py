@@ -267,7 +267,8 @@ class Backward:
         """The backward pass of a point's own call: the incoming gradients
         times `scale`, then input gradients (carrying `scale_in`) and
         variable gradients, each divided by `scale_in` in float32 unless an
-        inner point inside the call already did."""
+        inner point inside the call already did (each product recorded in
+        the step's `tf_als.unscaled.UnscaledGradients`)."""
         self._interior[point] = scale_in
         scaled_upstream = [dy * tf.cast(scale, dy.dtype) for dy in upstream]
         grads = tape.gradient(

@@ -4,12 +4,12 @@ optimizer can divide them by the global scale S in the same multiply.
 Each scaling point hands the tape `raw * factor` for every weight gradient
 of its call (`factor` = 1/T_in, in float32), so every variable receives S
 times its true gradient. Keras's `LossScaleOptimizer` then divides each
-gradient by S: a second elementwise pass over every weight gradient, inside
-the conditional that applies finite steps, where XLA cannot fuse it with
-the first. Where a variable's whole gradient is one such product (one call
-reads the variable, and nothing outside the points does, such as a kernel
-regularizer), `raw * (factor / S)` gives the divided gradient in one pass;
-for powers of two it is the very same float32 value. Any other gradient
+gradient by S: a second elementwise op on every weight gradient, inside
+the conditional that applies finite steps. Where a variable's whole
+gradient is one such product (one call reads the variable, and nothing
+outside the points does, such as a kernel regularizer),
+`raw * (factor / S)` gives the divided gradient in one op; for powers of
+two it is the very same float32 value. Any other gradient
 (a sum over calls, a regularizer's term added in) is divided by S as Keras
 divides it.
 
@@ -70,7 +70,7 @@ class UnscaledGradients:
 
     def divided(self, gradient, scale):
         """`gradient / scale` computed as `unscale(raw, factor / scale)`, one
-        pass, if `gradient` is a product recorded in the graph being traced;
+        op, if `gradient` is a product recorded in the graph being traced;
         None otherwise."""
         graph = _traced_graph()
         products = self._graphs.get(graph, {}) if graph is not None else {}
