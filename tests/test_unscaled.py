@@ -138,7 +138,8 @@ def folds(monkeypatch):
     ],
 )
 def test_which_gradients_fold(folds, kind, folded, divided):
-    # One trace of the train step (the step count says how many applies).
+    # A graph-mode fit traces its train step once, so `divided` runs once
+    # per gradient, however many steps run.
     _fit(kind, "mixed_float16", _tf_als)
     assert folds == {"folded": folded, "divided": divided}
 
