@@ -2,16 +2,16 @@
 TensorFlow's profiler, tf_als against Keras's LossScaleOptimizer.
 
 `benchmarks/overhead.py` says how much longer a step takes; this says which
-ops take it. For one model of `overhead.py` (same builds, same batches) and
-one XLA mode, both variants (`keras`, and `tf_als` without a scale update
+ops take it. For one model of `overhead.py` (same builds, same batches),
+without XLA, both variants (`keras`, and `tf_als` without a scale update
 in the profiled steps) are built and warmed up, then `--rounds` times each
 runs `--steps` steps of `fit` under `tf.profiler`, in turn. The profile's
 executor threads give every op's compute time; they are summed per op type
 (Cast, Mul, MatMul...) and per step, over all threads (so on 2 cores a
 step's op time is up to twice its wall time: ops on the two threads
 overlap). The table lists the op types whose time or count differs most.
-With XLA the step is one compiled cluster and the profile shows little per
-op, so the useful mode is `--xla off`.
+There is no XLA mode: with XLA the step is one compiled cluster, whose
+fusions the profile names but does not map back to ops.
 
     python benchmarks/op_profile.py --model gpt2_mid          # ~1 min
     python benchmarks/op_profile.py --model cnn --steps 4
@@ -34,14 +34,14 @@ import overhead  # noqa: E402  (the models and data of the overhead benchmark)
 VARIANTS = ("keras", "tf_als")
 
 
-def build(variant, model_name, xla, batch, warmup):
+def build(variant, model_name, batch, warmup):
     """(model, data): a variant of `overhead.py`'s model, warmed up."""
     import tensorflow as tf
 
     # An update interval longer than the run: the profiled steps are the
     # steps between updates, which is what a user pays most of the time.
     model, x, y, batch = overhead.make(
-        variant, model_name, xla, 10**6, 4, tf.distribute.get_strategy(), batch
+        variant, model_name, False, 10**6, 4, tf.distribute.get_strategy(), batch
     )
     model.fit(overhead.dataset(x, y, batch, warmup), epochs=1, verbose=0)
     # A skipped step (non-finite gradients at the initial global scale)
@@ -94,7 +94,7 @@ def per_step(totals, steps):
     }
 
 
-def table(model_name, xla, results, rows):
+def table(model_name, results, rows):
     keras_ops, als_ops = (results[v] for v in VARIANTS)
     kinds = set(keras_ops) | set(als_ops)
 
@@ -106,7 +106,7 @@ def table(model_name, xla, results, rows):
 
     total = {v: sum(t for t, _ in results[v].values()) for v in VARIANTS}
     lines = [
-        f"{model_name}, XLA {xla}: op time per step, summed over threads, "
+        f"{model_name}, XLA off: op time per step, summed over threads, "
         f"{total['keras']:.1f} ms (Keras) and {total['tf_als']:.1f} ms (tf_als).",
         "",
         "| op type | Keras (ms) | Keras ops | tf_als (ms) | tf_als ops | difference (ms) |",
@@ -130,7 +130,6 @@ def main():
     parser.add_argument(
         "--model", default="gpt2_mid", choices=sorted({m for m, _ in overhead.SETTINGS})
     )
-    parser.add_argument("--xla", default="off", choices=("off", "on"))
     parser.add_argument("--steps", type=int, default=5, help="steps per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=5)
@@ -140,9 +139,8 @@ def main():
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1; received {getattr(args, name)}")
 
-    batch = overhead.SETTINGS[(args.model, args.xla)][0]
-    xla = args.xla == "on"
-    models = {v: build(v, args.model, xla, batch, args.warmup) for v in VARIANTS}
+    batch = overhead.SETTINGS[(args.model, "off")][0]
+    models = {v: build(v, args.model, batch, args.warmup) for v in VARIANTS}
     totals = {
         v: {"time": collections.Counter(), "count": collections.Counter()}
         for v in VARIANTS
@@ -154,13 +152,13 @@ def main():
             profile(model, data, args.steps, totals[variant])
     steps = args.steps * args.rounds
     results = {v: per_step(totals[v], steps) for v in VARIANTS}
-    text = table(args.model, args.xla, results, args.rows)
+    text = table(args.model, results, args.rows)
     print(text)
     path = os.path.join(overhead.RESULTS, f"op_profile_{args.model}.md")
     with open(path, "w") as f:
         f.write(
             f"Written by `python benchmarks/op_profile.py --model {args.model} "
-            f"--xla {args.xla} --steps {args.steps} --rounds {args.rounds}`."
+            f"--steps {args.steps} --rounds {args.rounds}`."
             f"\n\n{text}\n"
         )
 
