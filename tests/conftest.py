@@ -1,12 +1,43 @@
-"""Shared test setup: quiet TensorFlow, a clean Keras state per test, and the
-global dtype policy restored after every test."""
+"""Shared test setup: quiet TensorFlow, a clean Keras state per test, the
+global dtype policy restored after every test, and the models each test
+module traced released when it ends."""
 
+import gc
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
 import pytest  # noqa: E402
+from tensorflow.python.framework import ops  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_traced_models():
+    """Releases what the module's traces pinned, after its last test.
+
+    Every `tf.custom_gradient` traced in graph mode (each scaling point of
+    an instrumented model in a `tf.function`) registers its gradient
+    function in TensorFlow's global gradient registry and never removes it
+    (tensorflow/tensorflow#27492, #97697). That function's closure holds the
+    traced graph and, through tf_als's backward pass, the model, its
+    optimizer and their variables: without this, nothing a test traces is
+    ever freed. Measured on the default suite, serially: 3.8 M live Python
+    objects, 5,200 functions in TensorFlow's context and 4.9 GiB resident
+    by the end (13 GiB at the end of the slow suite), and full garbage
+    collections that stalled single tests for up to 40 s.
+
+    Entries are removed per module, not per test, because a module-scoped
+    fixture's model may be differentiated again by a later test of its
+    module. Reads TensorFlow's private `ops._gradient_registry`; the entries
+    it adds are named "CustomGradient-<uid>" (TensorFlow 2.21)."""
+    registry = ops._gradient_registry._registry
+    before = set(registry)
+    yield
+    for name in set(registry) - before:
+        if name.startswith("CustomGradient-"):
+            del registry[name]
+    gc.collect()
 
 
 @pytest.fixture(autouse=True)
