@@ -37,7 +37,10 @@ def _captured_variables(layers, adaptive, jit_compile):
         )
     else:
         optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam())
-    model.compile(optimizer=optimizer, loss="mse", jit_compile=jit_compile)
+    # The fit only builds the optimizer's and metrics' variables, so it runs
+    # without XLA: compiling its program with XLA cost 10-20 s per model,
+    # and what is counted is the trace below, in the mode under test.
+    model.compile(optimizer=optimizer, loss="mse", jit_compile=False)
     x = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
     model.fit(x, x[:, :1], batch_size=4, epochs=1, verbose=0)  # builds all
     # The step as Keras compiles it for `fit` (its `one_step_on_data`).
