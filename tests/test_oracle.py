@@ -62,16 +62,14 @@ from tests import architectures
 from tests import gradients
 
 
-# Cases taking 7-11 s per loss factor: at the unit loss factor (where one
-# global scale already serves) they run in the slow suite only; at 2**-16,
-# where underflow is the test, in the default suite too.
-HEAVY_AT_UNIT_FACTOR = ("bert", "resnet", "vit", "llama", "gpt2", "composite_layers")
-
-
+# At the unit loss factor one global scale already serves, and the oracle
+# checks that tf_als costs nothing there: those cases run in the slow suite
+# (2-11 s each). At 2**-16, where underflow is the test, every case that is
+# not heavy runs in the default suite too.
 def _cases():
     for case in architectures.ALL_CASES:
         for factor in (1.0, 2.0**-16):
-            slow = case.slow or (factor == 1.0 and case.name in HEAVY_AT_UNIT_FACTOR)
+            slow = case.slow or factor == 1.0
             marks = [pytest.mark.slow] if slow else []
             yield pytest.param(
                 case, factor, id=f"{case.name}-loss*{factor:g}", marks=marks
