@@ -49,7 +49,13 @@ def _captured_variables(layers, adaptive, jit_compile):
     return sum(t.dtype == tf.resource for t in traced.captured_inputs)
 
 
-@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+# With XLA (the same trace, compiled) in the slow suite, as every XLA variant
+# whose graph variant runs by default.
+@pytest.mark.parametrize(
+    "jit_compile",
+    [False, pytest.param(True, marks=pytest.mark.slow)],
+    ids=["graph", "xla"],
+)
 def test_the_step_touches_as_many_more_variables_whatever_the_points(
     mixed, jit_compile
 ):

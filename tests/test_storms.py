@@ -146,7 +146,11 @@ def test_bad_batch_is_skipped_and_training_recovers(cause):
     assert all(np.all(np.isfinite(w)) for w in changed)
 
 
-@pytest.mark.parametrize("jit_compile", [False, True])
+# With XLA in the slow suite, as every XLA variant whose graph variant runs
+# by default.
+@pytest.mark.parametrize(
+    "jit_compile", [False, pytest.param(True, marks=pytest.mark.slow)]
+)
 def test_storm_stops_fit_naming_the_layer(jit_compile):
     model, plain, optimizer = build(max_consecutive_skips=4)
     model.compile(optimizer, "mse", jit_compile=jit_compile)

@@ -103,7 +103,15 @@ MODES = {
 }
 
 
-@pytest.mark.parametrize("mode", sorted(MODES))
+# With XLA in the slow suite, as every XLA variant whose graph variant runs
+# by default.
+@pytest.mark.parametrize(
+    "mode",
+    [
+        pytest.param(m, marks=[pytest.mark.slow] if m == "xla" else [])
+        for m in sorted(MODES)
+    ],
+)
 @pytest.mark.parametrize("kind", ["plain", "regularized", "shared", "embedding"])
 def test_weight_changes_match_float32(kind, mode):
     reference = _fit(kind, "float32", _plain)
