@@ -30,6 +30,11 @@ import time
 import numpy as np
 import pytest
 
+# One pytest-xdist worker runs the whole module: its module fixture starts
+# both scenarios' subprocesses, which every worker running one of its tests
+# would start again.
+pytestmark = pytest.mark.xdist_group("distribute")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = ("fit", "loop")
 REPLICAS = 2

@@ -17,6 +17,11 @@ import keras
 import numpy as np
 import pytest
 
+# One pytest-xdist worker runs the whole module: its module fixture starts
+# the mirrored example's subprocess, which every worker running one of its
+# tests would start again.
+pytestmark = pytest.mark.xdist_group("examples")
+
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples")
 NAMES = (
     "quickstart_fit",
