@@ -1,9 +1,18 @@
 """How tests run a function or a training step: eagerly, in a `tf.function`,
 or compiled with XLA, and the custom training loop's step."""
 
+import pytest
 import tensorflow as tf
 
 MODES = ("eager", "tf_function", "xla")
+
+# `jit_compile` for a `fit` test: without XLA in the default suite, with XLA
+# (the same step, compiled; slower to compile) in the slow one. Use with
+# `@pytest.mark.parametrize("jit_compile", JIT_COMPILE)`.
+JIT_COMPILE = (
+    pytest.param(False, id="graph"),
+    pytest.param(True, id="xla", marks=pytest.mark.slow),
+)
 
 
 def compiled(function, mode, autograph=True):

@@ -17,6 +17,7 @@ import tensorflow as tf
 
 import tf_als
 from tf_als import promote
+from tests.modes import JIT_COMPILE
 
 layers = keras.layers
 pytestmark = pytest.mark.usefixtures("mixed")
@@ -62,13 +63,7 @@ def test_the_model_overflows_in_float16_only():
     assert tf_als.forward.first_non_finite_output(build(), x) == "hot"
 
 
-# With XLA in the slow suite, as every XLA variant whose graph variant runs
-# by default.
-@pytest.mark.parametrize(
-    "jit_compile",
-    [False, pytest.param(True, marks=pytest.mark.slow)],
-    ids=["graph", "xla"],
-)
+@pytest.mark.parametrize("jit_compile", JIT_COMPILE)
 def test_fit_promotes_the_layer_and_trains_like_float32(jit_compile):
     """The promoted run loses its first SKIPS steps (skipped), then trains.
     Its loss after the same number of applied steps is within 2% of

@@ -23,6 +23,7 @@ from tests.test_promote import custom_loop
 from tf_als import backward_search
 from tf_als import forward
 from tf_als import promote
+from tests.modes import JIT_COMPILE
 
 layers = keras.layers
 pytestmark = pytest.mark.usefixtures("mixed")
@@ -152,11 +153,7 @@ def _reference_loss(applied_from, x, y):
     return reference.evaluate(x, y, verbose=0)
 
 
-@pytest.mark.parametrize(
-    "jit_compile",
-    [False, pytest.param(True, marks=pytest.mark.slow)],
-    ids=["graph", "xla"],
-)
+@pytest.mark.parametrize("jit_compile", JIT_COMPILE)
 def test_fit_promotes_the_layer_and_trains_like_float32(jit_compile):
     """The run skips its first SKIPS steps, promotes `temperature`, and
     trains on at the global scale it started with. Its loss is within 2%

@@ -16,6 +16,7 @@ import tensorflow as tf
 
 import tf_als
 from tf_als import state as state_module
+from tests.modes import JIT_COMPILE
 
 
 def _mlp(layers):
@@ -49,13 +50,7 @@ def _captured_variables(layers, adaptive, jit_compile):
     return sum(t.dtype == tf.resource for t in traced.captured_inputs)
 
 
-# With XLA (the same trace, compiled) in the slow suite, as every XLA variant
-# whose graph variant runs by default.
-@pytest.mark.parametrize(
-    "jit_compile",
-    [False, pytest.param(True, marks=pytest.mark.slow)],
-    ids=["graph", "xla"],
-)
+@pytest.mark.parametrize("jit_compile", JIT_COMPILE)
 def test_the_step_touches_as_many_more_variables_whatever_the_points(
     mixed, jit_compile
 ):

@@ -20,7 +20,7 @@ import pytest
 import tensorflow as tf
 
 import tf_als
-from tests.modes import loop_step
+from tests.modes import JIT_COMPILE, loop_step
 
 BATCH = 16
 
@@ -146,11 +146,7 @@ def test_bad_batch_is_skipped_and_training_recovers(cause):
     assert all(np.all(np.isfinite(w)) for w in changed)
 
 
-# With XLA in the slow suite, as every XLA variant whose graph variant runs
-# by default.
-@pytest.mark.parametrize(
-    "jit_compile", [False, pytest.param(True, marks=pytest.mark.slow)]
-)
+@pytest.mark.parametrize("jit_compile", JIT_COMPILE)
 def test_storm_stops_fit_naming_the_layer(jit_compile):
     model, plain, optimizer = build(max_consecutive_skips=4)
     model.compile(optimizer, "mse", jit_compile=jit_compile)
