@@ -221,15 +221,6 @@ def test_without_a_linked_optimizer_scales_stay_fixed(mixed):
     assert [p.read() for p in model.scaling_points] == before
 
 
-def test_an_optimizer_drives_one_model(mixed):
-    first = tf_als.instrument(_bookkeeping_model())
-    second = tf_als.instrument(_bookkeeping_model())
-    optimizer = tf_als.AdaptiveLossScaleOptimizer(keras.optimizers.SGD())
-    first.compile(optimizer=optimizer, loss="mse")
-    with pytest.raises(ValueError, match="already drives"):
-        second.compile(optimizer=optimizer, loss="mse")
-
-
 def test_a_non_finite_update_keeps_the_scales(mixed):
     """An update step whose gradient is not finite is skipped by the loss
     scale optimizer; the per-layer scales must not be chosen from it."""

@@ -93,14 +93,14 @@ def test_a_row_is_written_inside_a_compiled_function():
     def write(value):
         state.point(0).scale.assign(value)
         return state.write_measurement(
-            1, tf.fill([state_module.MEASUREMENT_SIZE], value), tf.constant(3, tf.int64)
+            1, tf.fill([state_module.MEASUREMENT_SIZE], value)
         )
 
     write(tf.constant(2.0))
     np.testing.assert_array_equal(keras.ops.convert_to_numpy(state.scales), [2, 1])
     measured = keras.ops.convert_to_numpy(state.measured)
     assert (measured[1] == 2.0).all() and (measured[0] == 0.0).all()
-    assert keras.ops.convert_to_numpy(state.measured_steps).tolist() == [-1, 3]
+    assert keras.ops.convert_to_numpy(state.pending).tolist() == [0, 1]
 
 
 def test_point_names_must_be_strings():

@@ -8,6 +8,7 @@ import contextlib
 import typing
 
 import keras
+import tensorflow as tf
 from keras.src import backend as _backend
 from keras.src.models import functional as _functional
 
@@ -153,6 +154,15 @@ def optimizer_variables(optimizer) -> list:
     """The trainable variables `optimizer` was built for, in its order.
     Keras 3.15 `Optimizer._trainable_variables`; public: none."""
     return list(getattr(optimizer, "_trainable_variables", None) or [])
+
+
+def apply_calls(optimizer):
+    """How many times `optimizer.apply` has applied or accumulated
+    gradients (int64 scalar). It is `iterations` without gradient
+    accumulation; with `gradient_accumulation_steps=k`, `iterations` counts
+    applied steps (this count // k). Keras 3.15 `Optimizer._iterations`;
+    public: `iterations * k` only at the start of each group."""
+    return tf.cast(tf.convert_to_tensor(optimizer._iterations), tf.int64)
 
 
 def sublayers(layer, recursive: bool) -> list:

@@ -14,42 +14,25 @@ same multiply where a variable's whole gradient is one call's product
 (`tf_als.unscaled`).
 
 The per-layer scales are read from the model's `tf_als.state.ScalingState`;
-the backward pass never chooses them. On update steps it measures each
-point's incoming gradient into its row of that state, and the optimizer's
-`apply` chooses the scales of the following steps from those measurements
-(`tf_als.update`).
-"""
+the backward pass never chooses them, and it needs nothing from an
+optimizer. When the state says a measurement is due (`tf_als.schedule`),
+it measures each point's incoming gradient into its row of that state, and
+the `apply` of the optimizer that applies the model's gradients chooses the
+scales of the following steps from those measurements (`tf_als.update`).
 
-import typing
+Each point's own backward runs on a persistent tape kept from the forward
+pass, so the gradient function can run twice: once for a gradient the
+step differentiates again (a gradient penalty's input gradient), once for
+the outer gradient; both runs use the same scales.
+"""
 
 import tensorflow as tf
 from keras import tree
 
 from tf_als import _keras
 from tf_als import algebra
-from tf_als import config as config_module
 from tf_als import hooks
 from tf_als import rule
-from tf_als import unscaled as unscaled_module
-
-
-class Pass(typing.NamedTuple):
-    """What the backward pass of one step needs from the optimizer.
-
-    Attributes:
-        step: int64 scalar, the optimizer step.
-        measure: bool scalar, whether this step is an update step (the
-            points measure their incoming gradients).
-        config: the optimizer's `tf_als.config.ScalingConfig`.
-        unscaled: the optimizer's `tf_als.unscaled.UnscaledGradients`,
-            which records the weight gradients this pass unscales (the
-            optimizer divides them by S in the same multiply).
-    """
-
-    step: tf.Tensor
-    measure: tf.Tensor
-    config: config_module.ScalingConfig
-    unscaled: unscaled_module.UnscaledGradients
 
 
 class Backward:
@@ -58,20 +41,17 @@ class Backward:
     Args:
         plan: the model's `tf_als.graph.Plan`.
         state: the model's `tf_als.state.ScalingState` (row i: point i).
-        find_pass: called once, when the backward pass starts, to get the
-            step's `Pass` (`None`: no optimizer drives the scales, and
-            nothing is measured). It is looked up then, not at the forward
-            pass, because a custom training loop links its optimizer in
-            `scale_loss`, after the forward pass.
+        unscaled: the model's `tf_als.unscaled.UnscaledGradients`, which
+            records the weight gradients this pass unscales (an optimizer
+            applying them divides them by S in the same multiply).
         inner: `(index, tf_als.composite.Inner)` of each inner point.
     """
 
-    def __init__(self, plan, state, find_pass, inner=()):
+    def __init__(self, plan, state, unscaled, inner=()):
         self.plan = plan
         self.state = state
+        self.unscaled = unscaled
         self.scales = algebra.Scales(plan)
-        self._find_pass = find_pass
-        self._pass = None
         # (enclosing point, id(layer)) -> inner point index, and each inner
         # point's enclosing point (see `tf_als.composite`).
         self._inner = {(i.parent, id(i.layer)): index for index, i in inner}
@@ -79,14 +59,7 @@ class Backward:
         self._interior = {}  # point -> T_in, the scale of its interior
         self._handled = {}  # point -> ids of variables unscaled inside it
         self._used = {}  # point -> scale used in this pass
-
-    @property
-    def step_pass(self):
-        """This step's `Pass`, or None."""
-        if self._find_pass is not None:
-            self._pass = self._find_pass()
-            self._find_pass = None
-        return self._pass
+        self._input_scales = {}  # point -> T its input gradients carry
 
     # -- the three custom-gradient identities ------------------------------
 
@@ -116,6 +89,26 @@ class Backward:
         for y in outputs:
             _keras.copy_mask(x, y)
         return outputs
+
+    def enter(self, slot, x):
+        """Identity on a float model input in `slot`. Backward: the input's
+        gradient, which carries T(slot), brought back to T = 1 (the global
+        scale alone, as the uninstrumented model gives it), exactly, in
+        float32. What uses a model's input gradient sees no per-layer
+        scale: a gradient penalty, or a GAN's generator behind its
+        critic."""
+
+        @tf.custom_gradient
+        def enter(x):
+            def grad(dy):
+                t = self.scales.slot(slot)
+                return dy if t is None else _rescale(_dense(dy), 1.0, t)
+
+            return tf.identity(x), grad
+
+        y = enter(x)
+        _keras.copy_mask(x, y)
+        return y
 
     def align(self, call, outputs):
         """Identity on a weightless call's float outputs. Backward: rescales
@@ -172,6 +165,7 @@ class Backward:
             scale = self._scale(call.point, upstream, common)
             scale_in = scale * common
             self.scales.point_scales[call.index] = scale_in
+            self._input_scales[call.point] = scale_in
             return self._inside(
                 call.point, tape, ys, xs, variables, upstream, scale, scale_in
             )
@@ -207,6 +201,7 @@ class Backward:
             scale_out = self._interior.get(parent, 1.0)
             scale = self._scale(point, upstream, scale_out)
             scale_in = scale * scale_out
+            self._input_scales[point] = scale_out
             input_grads, variable_grads = self._inside(
                 point, tape, ys, xs, variables, upstream, scale, scale_in
             )
@@ -237,8 +232,13 @@ class Backward:
 
         @tf.custom_gradient
         def scaled(*xs):
+            # The layer reads views of its inputs, made before the tape: a
+            # gradient of this call's gradient (a penalty) reaches them
+            # through the layer's forward ops, unscaled, and they lift it
+            # to the scale the call's input gradients carry.
+            xs = [self._lift(point, x) for x in xs]
             call_args, call_kwargs = _substitute(args, kwargs, flat, positions, xs)
-            with tf.GradientTape() as tape:
+            with tf.GradientTape(persistent=True) as tape:
                 tape.watch(xs)
                 with hooks.inside(self, point):
                     outputs = function(*call_args, **call_kwargs)
@@ -263,6 +263,23 @@ class Backward:
             outputs[i] = y
         return results["outputs"], outputs
 
+    def _lift(self, point, x):
+        """Identity on input `x` of point `point`. Backward: times the scale
+        the point's input gradients carry, which its gradient function
+        recorded; only a second-order gradient reaches here."""
+
+        @tf.custom_gradient
+        def lift(x):
+            def grad(dy):
+                t = self._input_scales.get(point)
+                return dy if t is None else _rescale(_dense(dy), t, 1.0)
+
+            return tf.identity(x), grad
+
+        y = lift(x)
+        _keras.copy_mask(x, y)
+        return y
+
     def _inside(self, point, tape, ys, xs, variables, upstream, scale, scale_in):
         """The backward pass of a point's own call: the incoming gradients
         times `scale`, then input gradients (carrying `scale_in`) and
@@ -276,12 +293,8 @@ class Backward:
         )
         handled = self._handled.get(point, set())
         factor = tf.math.reciprocal(scale_in)
-        step_pass = self.step_pass
-        unscale = (
-            unscaled_module.unscale if step_pass is None else step_pass.unscaled.unscale
-        )
         variable_grads = [
-            g if id(v) in handled else unscale(g, factor)
+            g if id(v) in handled else self.unscaled.unscale(g, factor)
             for v, g in zip(variables, grads[len(xs) :])
         ]
         return grads[: len(xs)], variable_grads
@@ -294,33 +307,30 @@ class Backward:
         if point in self._used:
             return self._used[point]
         done = self._measure(point, upstream, scale_out)
-        with tf.control_dependencies([] if done is None else [done]):
+        with tf.control_dependencies([done]):
             scale = tf.gather(tf.convert_to_tensor(self.state.scales), point)
         self._used[point] = scale
         return scale
 
     def _measure(self, point, upstream, scale_out):
-        """On update steps, writes `[scale_out, tally(upstream)]` and the
-        step into the point's row of the state; returns the branch's flag
-        (None when no optimizer drives the scales). A tally is a few
-        elementwise ops and one segment sum (`rule.tally`); the statistics
-        are derived from it once per update, for all points at once
-        (`tf_als.update`), so between updates the untaken branch costs a
-        few skipped ops."""
-        step_pass = self.step_pass
-        if step_pass is None:
-            return None
+        """When a measurement is due (the state's `due`), writes
+        `[scale_out, tally(upstream)]` into the point's row of the state;
+        returns the branch's flag. A tally is a few elementwise ops and one
+        segment sum (`rule.tally`); the statistics are derived from it once
+        per update, for all points at once (`tf_als.update`), so between
+        updates the untaken branch costs a few skipped ops."""
 
         def measure():
             vector = tf.concat(
                 [tf.reshape(tf.cast(scale_out, tf.float32), [1]), rule.tally(upstream)],
                 0,
             )
-            writes = self.state.write_measurement(point, vector, step_pass.step)
+            writes = self.state.write_measurement(point, vector)
             with tf.control_dependencies(writes):
                 return tf.constant(True)
 
-        return tf.cond(step_pass.measure, measure, lambda: tf.constant(False))
+        due = tf.convert_to_tensor(self.state.due) > 0
+        return tf.cond(due, measure, lambda: tf.constant(False))
 
 
 def _substitute(args, kwargs, flat, positions, xs):

@@ -16,7 +16,6 @@ import tensorflow as tf
 
 from tf_als.instrument import InstrumentedModel
 from tf_als.optimizer import AdaptiveLossScaleOptimizer
-from tf_als import link
 from tf_als import overview
 from tf_als import promote
 from tf_als import rule
@@ -155,7 +154,9 @@ class ScaleHistory(keras.callbacks.Callback):
     ```
 
     In a custom loop, call `callback.set_model(model)` once and
-    `callback.record_step(steps=1)` after each optimizer step.
+    `callback.record_step(steps=1)` after each optimizer step. When several
+    optimizers train the model, say which one's steps to count:
+    `callback.set_model(model, optimizer=g_optimizer)`.
     """
 
     def __init__(self, log_dir: Optional[str] = None, histograms: bool = True):
@@ -172,6 +173,7 @@ class ScaleHistory(keras.callbacks.Callback):
         self.log_dir = None if log_dir is None else os.fspath(log_dir)
         self.histograms = histograms
         self._writer = None
+        self._given_optimizer = None
         self._reset()
 
     # -- state ----------------------------------------------------------
@@ -189,7 +191,19 @@ class ScaleHistory(keras.callbacks.Callback):
         self._iterations_before = None
         self._batch_before = None
 
-    def set_model(self, model):
+    def set_model(self, model, optimizer=None):
+        """Records `model` (fit calls this). `optimizer`: the
+        `AdaptiveLossScaleOptimizer` whose steps to count, when it is not
+        `model.optimizer` and more than one optimizer applies the model's
+        gradients; by default the one that does."""
+        if optimizer is not None and not isinstance(
+            optimizer, AdaptiveLossScaleOptimizer
+        ):
+            raise TypeError(
+                "`optimizer` must be a tf_als.AdaptiveLossScaleOptimizer or "
+                f"None; received {optimizer!r}."
+            )
+        self._given_optimizer = optimizer
         if not isinstance(model, InstrumentedModel):
             raise TypeError(
                 "ScaleHistory needs a model returned by tf_als.instrument(); "
@@ -204,17 +218,27 @@ class ScaleHistory(keras.callbacks.Callback):
 
     @property
     def _optimizer(self):
+        if self._given_optimizer is not None:
+            return self._given_optimizer
         optimizer = getattr(self.model, "optimizer", None)
-        if optimizer is None:
-            optimizer = link.linked_optimizer(self.model)
-        if not isinstance(optimizer, AdaptiveLossScaleOptimizer):
+        if isinstance(optimizer, AdaptiveLossScaleOptimizer):
+            return optimizer
+        trainers = self.model.trained_by()
+        if len(trainers) == 1:
+            return trainers[0]
+        if not trainers:
             raise ValueError(
                 f"Model {self.model.name!r} has no "
-                "tf_als.AdaptiveLossScaleOptimizer yet: compile it with one "
-                "(or, in a custom loop, call optimizer.scale_loss before "
-                "record_step)."
+                "tf_als.AdaptiveLossScaleOptimizer yet: compile it with one, "
+                "or, in a custom loop, apply a step with one before "
+                "record_step."
             )
-        return optimizer
+        names = ", ".join(repr(o.name) for o in trainers)
+        raise ValueError(
+            f"Several optimizers apply the gradients of model "
+            f"{self.model.name!r} ({names}); say which one's steps to "
+            "record: `set_model(model, optimizer=...)`."
+        )
 
     # -- Keras hooks -------------------------------------------------------
 

@@ -1,8 +1,8 @@
 """The per-layer scaling knobs, checked once and frozen.
 
 `AdaptiveLossScaleOptimizer` builds a `ScalingConfig` from its arguments and
-hands it, inside each step's `tf_als.backward.Pass`, to the backward pass and
-to the scale update; neither reads the optimizer's attributes.
+hands it to the scale update (`tf_als.update`) and the measuring schedule
+(`tf_als.schedule`); neither reads the optimizer's attributes.
 """
 
 import dataclasses

@@ -4,6 +4,7 @@ a layer with weights, and `scales(model)` to read them."""
 import dataclasses
 import inspect
 import warnings
+import weakref
 from typing import Optional
 
 import keras
@@ -15,11 +16,13 @@ from tf_als import backward
 from tf_als import composite
 from tf_als import graph
 from tf_als import hooks
-from tf_als import link
-from tf_als import promote
 from tf_als import optimizer as optimizer_module
+from tf_als import owners
+from tf_als import own_steps
+from tf_als import promote
 from tf_als import state
 from tf_als import storm
+from tf_als import unscaled
 
 
 def instrument(model: keras.Model) -> "InstrumentedModel":
@@ -72,7 +75,14 @@ def instrument(model: keras.Model) -> "InstrumentedModel":
     """
     instrumented = InstrumentedModel(model)
     arguments = _keras.compile_arguments(model)
-    if arguments is not None:
+    if arguments is not None and own_steps.overrides(model, "compile"):
+        warnings.warn(
+            f"Model {model.name!r} was compiled with its class's own "
+            "compile(); tf_als.instrument() cannot repeat that call. Compile "
+            "the instrumented model with the same arguments.",
+            stacklevel=2,
+        )
+    elif arguments is not None:
         arguments["optimizer"] = _adaptive(model.optimizer)
         instrumented.compile(**arguments)
     return instrumented
@@ -195,7 +205,10 @@ class InstrumentedModel(keras.Model):
             _check_plan(plan)
             inner = _inner_points(plan)
         _check_inner(inner)
-        kwargs.setdefault("name", f"{model.name}_instrumented")
+        own_steps.check(model)
+        # A name scope may not start with "_" (a class `_Net` names its
+        # models "_net").
+        kwargs.setdefault("name", f"{model.name.lstrip('_') or 'model'}_instrumented")
         super().__init__(**kwargs)
         # Inputs reach the layers exactly as they reach the original model.
         _keras.pass_inputs_through(self)
@@ -213,6 +226,12 @@ class InstrumentedModel(keras.Model):
             if i.parent is not None:  # Not the root of a subclassed model.
                 hooks.install(i.layer)
         _warn_closed(self)
+        # The weight gradients its backward passes unscale, for the
+        # optimizer that divides them by S (`tf_als.unscaled`).
+        self.unscaled_gradients = unscaled.UnscaledGradients()
+        # The AdaptiveLossScaleOptimizers that applied its gradients.
+        self._trainers = weakref.WeakKeyDictionary()
+        owners.register(self)
         # For tf.train.Checkpoint; rows follow the plan, so a rebuilt model
         # maps them back to the same points.
         _keras.track(self, self.scaling_state, "scaling_state")
@@ -258,13 +277,69 @@ class InstrumentedModel(keras.Model):
         top = [self._plan.calls[i].operation for i in self._plan.point_calls]
         return tuple(top + [inner.layer for _, inner in self._inner])
 
+    def trained_by(self) -> list:
+        """The live `AdaptiveLossScaleOptimizer`s that applied this model's
+        gradients, in the order they first did."""
+        return list(self._trainers.keys())
+
+    def note_trainer(self, optimizer) -> None:
+        """Records that `optimizer` applies this model's gradients (its
+        `apply` calls this)."""
+        self._trainers[optimizer] = True
+
+    # -- the original model's own training code and attributes ----------
+
+    def train_step(self, data):
+        own = own_steps.method(self.model, "train_step", self, InstrumentedModel)
+        return own(data) if own is not None else super().train_step(data)
+
+    def test_step(self, data):
+        own = own_steps.method(self.model, "test_step", self, InstrumentedModel)
+        return own(data) if own is not None else super().test_step(data)
+
+    def predict_step(self, data):
+        own = own_steps.method(self.model, "predict_step", self, InstrumentedModel)
+        return own(data) if own is not None else super().predict_step(data)
+
+    def compute_loss(self, *args, **kwargs):
+        own = own_steps.method(self.model, "compute_loss", self, InstrumentedModel)
+        if own is not None:
+            return own(*args, **kwargs)
+        return super().compute_loss(*args, **kwargs)
+
+    def compute_metrics(self, *args, **kwargs):
+        own = own_steps.method(self.model, "compute_metrics", self, InstrumentedModel)
+        if own is not None:
+            return own(*args, **kwargs)
+        return super().compute_metrics(*args, **kwargs)
+
+    @property
+    def metrics(self):
+        model = self.__dict__.get("model")
+        if model is not None:
+            found, value = own_steps.prop(model, "metrics", self, InstrumentedModel)
+            if found:
+                return value
+        return super().metrics
+
+    def __getattr__(self, name):
+        # Only for names the instrumented model does not have: the
+        # original's attributes (`self.encoder`) and its class's methods
+        # (bound to this model, so `self(x)` inside them is scaled).
+        model = self.__dict__.get("model")
+        if model is None or name.startswith("__"):
+            raise AttributeError(name)
+        try:
+            return own_steps.attribute(model, name, self, InstrumentedModel)
+        except AttributeError:
+            raise AttributeError(
+                f"{type(self).__name__!r} object (instrumenting "
+                f"{model.name!r}) has no attribute {name!r}"
+            ) from None
+
     def call(self, inputs, training=None, mask=None):
-        since = link.serial()
         back = backward.Backward(
-            self._plan,
-            self.scaling_state,
-            lambda: _step_pass(link.optimizer_of(self, since)),
-            self._inner,
+            self._plan, self.scaling_state, self.unscaled_gradients, self._inner
         )
         if graph.is_subclassed(self.model):
             # The model is point 0, opened: Keras's own `__call__` runs it
@@ -274,7 +349,15 @@ class InstrumentedModel(keras.Model):
             return back.wrap_inner_call(0, self.model, (inputs,), kwargs)
         return _run(self._plan, back, inputs, training, mask)
 
-    def compile(self, optimizer="rmsprop", *args, **kwargs):
+    def compile(self, *args, **kwargs):
+        own = own_steps.method(self.model, "compile", self, InstrumentedModel)
+        if own is not None:
+            # The model's own compile (a GAN's takes two optimizers); its
+            # super().compile() is Keras's.
+            return own(*args, **kwargs)
+        return self._compile(*args, **kwargs)
+
+    def _compile(self, optimizer="rmsprop", *args, **kwargs):
         if optimizer is not None and not isinstance(
             optimizer, optimizer_module.AdaptiveLossScaleOptimizer
         ):
@@ -286,8 +369,6 @@ class InstrumentedModel(keras.Model):
                 "keras.optimizers.Adam())`."
             )
         super().compile(optimizer, *args, **kwargs)
-        if optimizer is not None:
-            link.bind(self, optimizer)
 
     def fit(self, *args, **kwargs):
         """`keras.Model.fit`, plus a `tf_als.callbacks.NonFiniteGuard` (unless
@@ -387,10 +468,6 @@ class InstrumentedModel(keras.Model):
 _FIT_SIGNATURE = inspect.signature(keras.Model.fit)
 
 
-def _step_pass(optimizer):
-    return None if optimizer is None else optimizer.backward_pass()
-
-
 def _with_guard(callbacks, batches=None):
     if isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = callbacks.callbacks
@@ -464,7 +541,7 @@ def _run(plan, back, inputs, training, mask):
         return edges.get((slot, consumer), values[slot])
 
     for slot, x in zip(plan.input_slots, _model_inputs(top, inputs, mask)):
-        bind(slot, x)
+        bind(slot, back.enter(slot, x) if _is_float(x) else x)
     for call in plan.calls:
         for slot, y in zip(call.outputs, _run_call(call, value, back, training)):
             bind(slot, y)
@@ -476,6 +553,10 @@ def _run(plan, back, inputs, training, mask):
     if isinstance(outputs, (list, tuple)) and len(outputs) == 1:
         return outputs[0]
     return outputs
+
+
+def _is_float(x) -> bool:
+    return tf.is_tensor(x) and x.dtype.is_floating
 
 
 def _model_inputs(top, inputs, mask) -> list:

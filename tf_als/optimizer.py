@@ -1,23 +1,24 @@
 """`AdaptiveLossScaleOptimizer`: Keras's dynamic loss scaling, plus the knobs
-and the link that drive per-layer scales in an instrumented model."""
+that drive the per-layer scales of the instrumented models whose gradients
+it applies."""
 
 import difflib
 import inspect
 import math
 import numbers
 import warnings
+import weakref
 from typing import Callable, Iterable
 
 import keras
 import tensorflow as tf
 
 from tf_als import _keras
-from tf_als import backward
 from tf_als import config as config_module
-from tf_als import link
+from tf_als import owners
 from tf_als import promote
+from tf_als import schedule
 from tf_als import storm
-from tf_als import unscaled
 from tf_als import update
 
 DEFAULT_MAX_CONSECUTIVE_SKIPS = 32
@@ -120,9 +121,13 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     tf_als.scales(model)  # {"dense": 8.0, "dense_1": 1.0, ...}
     ```
 
-    In a custom training loop, call `optimizer.scale_loss(loss)` inside the
-    tape (as with Keras's `LossScaleOptimizer`); that call links the
-    optimizer to the instrumented model being differentiated.
+    In a custom training loop or a model's own `train_step`, call
+    `optimizer.scale_loss(loss)` inside the tape and `optimizer.apply(grads,
+    variables)` after it, as with Keras's `LossScaleOptimizer`. The
+    optimizer updates the scales of every instrumented model whose
+    variables it applies: one optimizer may train several models (a VAE's
+    encoder and decoder), and a step may run several optimizers (a GAN's);
+    see docs/training-loops.md.
     """
 
     def __init__(
@@ -176,9 +181,9 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._loop_checks = False
         # While `apply` runs: (its gradients, their `_finite_flags`).
         self._checked = None
-        # The weight gradients the backward passes unscale (`apply` folds
-        # its division by S into them).
-        self._unscaled = unscaled.UnscaledGradients()
+        # Weak references to the instrumented models whose variables the
+        # latest `apply` received (for promotion and storm messages).
+        self._applied_models = []
 
     def build(self, var_list):
         super().build(var_list)
@@ -205,13 +210,17 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         )
 
     def apply(self, grads, trainable_variables=None):
-        self._warn_if_plain()
-        model = link.model_of(self)
-        if model is not None:
+        self._build_once(trainable_variables)
+        variables = list(trainable_variables or _keras.optimizer_variables(self))
+        models = owners.owning(variables)
+        self._applied_models = [weakref.ref(m) for m in models]
+        self._warn_if_plain(models)
+        for model in models:
+            model.note_trainer(self)
             # Before Keras's apply: the step counter and global scale are
             # still those the backward pass ran with.
             self._update_scales(model)
-        own = self._divide_by_scale(list(grads), trainable_variables)
+        own = self._divide_by_scale(list(grads), variables, models)
         # One finiteness pass per gradient, shared by the agreement between
         # replicas, Keras's check (`check_finite`) and the first-skip record.
         flags = _finite_flags(own)
@@ -221,28 +230,35 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         finally:
             self._checked = None
         self._record_first_skip(flags)  # This replica's own, unpoisoned.
+        for model in models:
+            self._schedule(model)
         if tf.executing_eagerly() and not self._loop_checks:
             self.check_skips()
 
-    def _divide_by_scale(self, grads, trainable_variables):
-        """`grads` divided by the global scale S, before Keras's finite-step
-        conditional rather than inside it (`_stateful_handle_finite_grads`
-        applies them as they come): a gradient the backward pass unscaled
-        as a whole is divided in that same multiply (`tf_als.unscaled`),
-        any other as Keras divides it. Builds the optimizer first, as
-        Keras's `apply` does."""
+    def _build_once(self, trainable_variables):
+        """Builds the optimizer on its first `apply`, as Keras's does."""
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
             self.built = True
-        variables = trainable_variables or _keras.optimizer_variables(self)
+
+    def _divide_by_scale(self, grads, variables, models):
+        """`grads` divided by the global scale S, before Keras's finite-step
+        conditional rather than inside it (`_stateful_handle_finite_grads`
+        applies them as they come): a gradient the backward pass of one of
+        `models` unscaled as a whole is divided in that same multiply
+        (`tf_als.unscaled`), any other as Keras divides it."""
         scale = self.dynamic_scale
         result = []
         for g, v in zip(grads, variables):
             if g is None or _keras.overwrites_with_gradient(self, v):
                 result.append(g)
                 continue
-            folded = self._unscaled.divided(g, scale)
+            folded = None
+            for model in models:
+                folded = model.unscaled_gradients.divided(g, scale)
+                if folded is not None:
+                    break
             result.append(keras.ops.divide(g, scale) if folded is None else folded)
         return result
 
@@ -262,26 +278,34 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def overflow_margin(self) -> float:
         return self.scaling_config.overflow_margin
 
-    def backward_pass(self) -> backward.Pass:
-        """What the backward pass of the coming step needs: the step,
-        whether it is an update step, and the knobs."""
-        step = self._step()
-        return backward.Pass(
-            step=step,
-            measure=self._due(step),
-            config=self.scaling_config,
-            unscaled=self._unscaled,
-        )
-
     def _step(self):
         return tf.cast(tf.convert_to_tensor(self.iterations), tf.int64)
 
-    def _due(self, step):
-        return tf.equal(tf.math.floormod(step, self.update_interval), 0)
+    def _accumulation(self) -> int:
+        return int(self.inner_optimizer.gradient_accumulation_steps or 1)
+
+    def _due_now(self, model):
+        """Whether this `apply` updates `model`'s scales: the model's
+        backward pass measured (its state's `due`), and this call applies
+        (the last of an accumulation group)."""
+        measured = tf.convert_to_tensor(model.scaling_state.due) > 0
+        calls = _keras.apply_calls(self.inner_optimizer)
+        applying = schedule.applies(calls, self._accumulation())
+        return tf.logical_and(measured, applying)
+
+    def _schedule(self, model):
+        """After Keras's apply: whether `model`'s next backward pass
+        measures, from the count of `apply` calls now (a skipped step did
+        not advance it, so its retry measures again)."""
+        calls = _keras.apply_calls(self.inner_optimizer)
+        model.scaling_state.due.assign(
+            schedule.due_at(calls, self._accumulation(), self.update_interval)
+        )
 
     def _update_scales(self, model):
-        """On update steps, chooses every point's scale for the following
-        steps from what the backward pass measured (`tf_als.update`).
+        """On update steps, chooses every point's scale of `model` for the
+        following steps from what the backward pass measured
+        (`tf_als.update`).
 
         With several replicas, the points exchange their measurements in
         one all-gather, inside the update branch, so the measurements are
@@ -299,7 +323,7 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             )
 
         def due():
-            return self._due(self._step())
+            return self._due_now(model)
 
         def idle():
             return tf.constant(False)
@@ -329,11 +353,10 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         initial = tf.constant(self.initial_scale, tf.float32)
         return tf.maximum(1.0, initial / tf.convert_to_tensor(self.dynamic_scale))
 
-    def _warn_if_plain(self):
-        """Warns once when gradients reach this optimizer without an
-        instrumented model behind them (its backward pass links the two
-        before any gradient is applied)."""
-        if self._warned_plain or link.model_of(self) is not None:
+    def _warn_if_plain(self, models):
+        """Warns once when gradients reach this optimizer and no
+        instrumented model owns any of their variables."""
+        if self._warned_plain or models:
             return
         self._warned_plain = True
         warnings.warn(
@@ -498,11 +521,23 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         )
         return []
 
+    def applied_models(self) -> list:
+        """The live instrumented models whose variables the latest `apply`
+        received (several for a VAE's encoder and decoder)."""
+        return [m for m in (r() for r in self._applied_models) if m is not None]
+
     def _promote(self, batches, loss):
         """(promotions made, why none or not enough) for the storm now."""
-        model = link.model_of(self)
-        if not self.promote_on_storm or model is None:
+        models = self.applied_models()
+        if not self.promote_on_storm or not models:
             return (), None
+        if len(models) > 1:
+            names = ", ".join(repr(m.name) for m in models)
+            return (), (
+                f"this optimizer trains several instrumented models ({names}), "
+                "and re-running batches needs one model from inputs to loss"
+            )
+        model = models[0]
         if batches is None:
             return (), "no training batches were given to re-run"
         step = int(keras.ops.convert_to_numpy(self.iterations))
@@ -548,9 +583,8 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.first_non_finite.assign([-1, -1, -1])
 
     def scale_loss(self, loss: tf.Tensor) -> tf.Tensor:
-        """Multiplies `loss` by the global scale S, and announces this
-        optimizer to the instrumented model whose gradients come next."""
-        link.announce(self)
+        """Multiplies `loss` by the global scale S (and records whether the
+        loss was finite, for the message of a skipped step)."""
         if self.built:
             # For the record of a skipped step: was the loss itself finite?
             finite = tf.reduce_all(

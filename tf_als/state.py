@@ -51,12 +51,20 @@ class ScalingState(keras.layers.Layer):
       pass of the last update step measured of each incoming gradient,
       before any exchange between replicas: the scale T_out it carried,
       then its `tf_als.rule.tally` (amax and a count per binary exponent).
-    - `measured_steps`: int64 `[points]`, the step of each measurement (-1
-      before the first).
+    - `pending`: int64 `[points]`, 1 where `measured` holds a measurement
+      that no update has used yet, else 0.
+    - `due`: int64 scalar, 1 when the next backward pass measures. An
+      `AdaptiveLossScaleOptimizer` that applies the model's gradients sets
+      it after each step, from its own step counter (see
+      `tf_als.schedule`); it starts at 1, so the first step measures.
 
-    On update steps the backward pass writes rows of `measured` and
-    `measured_steps` (each replica its own), and the optimizer's `apply`
-    then writes the others (see `tf_als.update`). Under `tf.distribute`
+    When `due` is 1 the backward pass writes rows of `measured` and
+    `pending` (each replica its own), and the `apply` of an optimizer
+    applying the model's gradients then writes the others (see
+    `tf_als.update`). A backward pass whose gradients are not applied (a
+    gradient penalty's inner pass, a critic inside the generator's step)
+    may measure too; the latest measurement before an update is the one
+    it uses, and that is the applied pass's. Under `tf.distribute`
     every replica writes the same, aggregated values into the others, so
     all are synchronised on read from the first replica.
 
@@ -98,9 +106,8 @@ class ScalingState(keras.layers.Layer):
         self.measured = self._state(
             "measured", np.zeros([points, MEASUREMENT_SIZE], np.float32)
         )
-        self.measured_steps = self._state(
-            "measured_steps", np.full([points], -1, np.int64)
-        )
+        self.pending = self._state("pending", np.zeros([points], np.int64))
+        self.due = self._state("due", np.ones([], np.int64))
         self.built = True
 
     def _state(self, name, initial):
@@ -133,15 +140,15 @@ class ScalingState(keras.layers.Layer):
         """Point `index`'s view of the rows."""
         return ScalingPoint(self, index)
 
-    def write_measurement(self, index: int, measurement, step) -> list:
-        """Writes row `index` of `measured` (`[T_out, tally]`) and of
-        `measured_steps` (`step`); returns the two assignments. Each replica
+    def write_measurement(self, index: int, measurement) -> list:
+        """Writes row `index` of `measured` (`[T_out, tally]`) and marks it
+        `pending`; returns the two assignments. Each replica
         writes its own copy. A synchronised-on-read variable takes no
         scatter, so the row is written by assigning the whole variable with
         the row replaced (a few KiB, on update steps only)."""
         return [
             _assign_row(self.measured, index, measurement),
-            _assign_row(self.measured_steps, index, step),
+            _assign_row(self.pending, index, tf.constant(1, tf.int64)),
         ]
 
     def call(self, inputs):

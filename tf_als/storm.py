@@ -15,7 +15,6 @@ import keras
 
 from tf_als import _keras
 from tf_als import forward
-from tf_als import link
 from tf_als import locate
 
 
@@ -105,11 +104,13 @@ def _advice(layer, after) -> str:
 def _locate(optimizer, variable):
     """(the layer owning `variable`, the scaling points the gradient
     reaching it comes from, or None), named as `tf_als.scales` names points
-    when the linked model is instrumented."""
-    model = link.model_of(optimizer)
-    # Only an instrumented model is linked, and it has a plan (read by
-    # attribute: importing `tf_als.instrument` here would close a cycle).
-    plan = getattr(model, "plan", None)
+    when the model is instrumented."""
+    models = optimizer.applied_models()
+    # Only an instrumented model has a plan (read by attribute: importing
+    # `tf_als.instrument` here would close a cycle). The variable belongs
+    # to the model whose trainable variables hold it.
+    owner = [m for m in models if any(w is variable for w in m.trainable_variables)]
+    plan = getattr(owner[0], "plan", None) if owner else None
     culprit = None
     if plan is not None:
         # The record names one variable: the point to blame is the call
@@ -219,7 +220,7 @@ class NonFiniteGuard(keras.callbacks.Callback):
 
     def _forward_hint(self, optimizer):
         loss_finite = int(keras.ops.convert_to_numpy(optimizer.first_non_finite)[2])
-        rescued = optimizer.promote_on_storm and link.model_of(optimizer) is not None
+        rescued = optimizer.promote_on_storm and bool(optimizer.applied_models())
         if self._input_batches is None or loss_finite != 0 or rescued:
             return None
         model = getattr(self.model, "model", self.model)  # the plain layers

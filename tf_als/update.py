@@ -42,15 +42,17 @@ UNREACHED = 1 << 20
 
 def update_scales(model, step, backoff, config):
     """Chooses and writes every scaling point's new scale from what the
-    backward pass of step `step` measured. Points that step did not reach
-    (no gradient arrived) keep their scale and record.
+    backward passes measured since the last update (the latest measurement
+    of each point), and records `step` as the points' last update. Points
+    no measuring pass reached (no gradient arrived) keep their scale and
+    record.
 
     Runs in a replica context (or with no strategy); with several replicas
     in sync, every replica must call it (it all-gathers once).
 
     Args:
         model: the `tf_als.InstrumentedModel`.
-        step: int64 scalar, the optimizer step that measured.
+        step: int64 scalar, the optimizer step being applied.
         backoff: float32 scalar >= 1, see `tf_als.rule.choose_scale`.
         config: the optimizer's `tf_als.config.ScalingConfig`.
 
@@ -59,7 +61,7 @@ def update_scales(model, step, backoff, config):
     """
     state = model.scaling_state
     measured = across_replicas(_read(state.measured))
-    reached = tf.equal(_read(state.measured_steps), step)
+    reached = _read(state.pending) > 0
     current = _read(state.scales)
     t_out, exponents = _walk(model, measured, reached, current, backoff, config)
     # Everything else at once, over [points, ...] tensors.
@@ -80,6 +82,7 @@ def update_scales(model, step, backoff, config):
             tf.where(column, shifted_histograms, _read(state.histograms))
         ),
         state.last_updates.assign(tf.where(reached, step, _read(state.last_updates))),
+        state.pending.assign(tf.zeros_like(_read(state.pending))),
     ]
     with tf.control_dependencies(assigns):
         return tf.constant(True)

@@ -1,0 +1,32 @@
+"""Which instrumented models own the variables an optimizer applies.
+
+An optimizer learns of a step only what `apply(grads, variables)` gives
+it, and a step may train several instrumented models (a VAE's encoder and
+decoder) with one optimizer, or several with several (a GAN). So the
+optimizer finds the models whose scales it must update from the variables
+it applies: every `tf_als.InstrumentedModel` registers here when it is
+made, held weakly (a dropped model leaves), and `owning` matches by
+variable identity. Nothing depends on which model or optimizer ran last.
+"""
+
+import itertools
+import weakref
+
+_models = weakref.WeakKeyDictionary()  # model -> the order it was made in
+_order = itertools.count()
+
+
+def register(model) -> None:
+    """Adds an instrumented model to the models `owning` searches."""
+    _models[model] = next(_order)
+
+
+def owning(variables) -> list:
+    """The live instrumented models with a trainable variable among
+    `variables`, in the order they were made."""
+    wanted = {id(v) for v in variables}
+    found = [
+        (order, m) for m, order in list(_models.items())
+        if any(id(v) in wanted for v in m.trainable_variables)
+    ]
+    return [m for _, m in sorted(found, key=lambda pair: pair[0])]
