@@ -6,7 +6,7 @@ with a hand-written training step compiled by `tf.function`:
 
     with tf.GradientTape() as tape:
         loss = loss_fn(y, model(x, training=True))
-        scaled = optimizer.scale_loss(loss)      # also links optimizer/model
+        scaled = optimizer.scale_loss(loss)      # times the global scale S
     grads = tape.gradient(scaled, model.trainable_variables)
     optimizer.apply(grads, model.trainable_variables)
 

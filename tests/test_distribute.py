@@ -277,3 +277,36 @@ def _check_weights(run):
         np.testing.assert_allclose(
             actual, expected, rtol=0, atol=WEIGHT_TOLERANCE * moved, err_msg=name
         )
+
+
+@pytest.mark.slow
+def test_a_gan_on_two_replicas():
+    """The GAN step of tests/loops.py (two instrumented models, two
+    optimizers, the generator inside the critic's tape and the critic
+    inside the generator's) under MirroredStrategy: every replica holds the
+    same scales, schedule and update steps, and the run ends where the
+    single-device run ends (tolerance: WEIGHT_TOLERANCE, as above)."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("TF_CONFIG", None)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.distributed_gan"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT,
+    )
+    assert done.returncode == 0, done.stderr[-6000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    for name in ("generator", "critic"):
+        single, mirrored = result["single"][name], result["mirrored"][name]
+        assert mirrored["iterations"] == single["iterations"] == 6
+        for variable, values in mirrored["replicas"].items():
+            assert len(values) == REPLICAS
+            assert all(v == values[0] for v in values), (name, variable, values)
+        assert mirrored["replicas"]["last_updates"][0] == [4] * len(single["scales"])
+        assert mirrored["scales"] == single["scales"]
+        for got, want, start in zip(mirrored["weights"], single["weights"], single["initial"]):
+            got, want, start = np.asarray(got), np.asarray(want), np.asarray(start)
+            moved = np.abs(want - start).max()
+            assert moved > 0, name
+            assert np.abs(got - want).max() <= WEIGHT_TOLERANCE * moved, name

@@ -324,11 +324,15 @@ class InstrumentedModel(keras.Model):
 
     def __getattr__(self, name):
         # Only for names the instrumented model does not have: the
-        # original's attributes (`self.encoder`) and its class's methods
-        # (bound to this model, so `self(x)` inside them is scaled).
+        # original's public attributes (`self.encoder`) and its class's
+        # methods (bound to this model, so `self(x)` inside them is
+        # scaled). Private names are Keras's bookkeeping, which each model
+        # keeps for itself.
         model = self.__dict__.get("model")
-        if model is None or name.startswith("__"):
-            raise AttributeError(name)
+        if model is None or name.startswith("_"):
+            raise AttributeError(
+                f"{type(self).__name__!r} object has no attribute {name!r}"
+            )
         try:
             return own_steps.attribute(model, name, self, InstrumentedModel)
         except AttributeError:
@@ -435,7 +439,7 @@ class InstrumentedModel(keras.Model):
 
     def compile_from_config(self, config):
         # Keras skips compiling on load when `compile` is overridden; ours
-        # only validates and links, so compile as Keras would and build the
+        # only validates, so compile as Keras would and build the
         # optimizer, whose saved variables (global scale, counters, slots)
         # are loaded next.
         config = keras.saving.deserialize_keras_object(config)

@@ -1,0 +1,236 @@
+"""The training-loop patterns of keras.io's guides and examples, at toy size,
+written the way their users write them: a model with its own `train_step`,
+a GAN (DCGAN's losses, or WGAN-GP's with its gradient penalty), a VAE and a
+distiller. Each step calls `optimizer.scale_loss` inside its tape and
+`optimizer.apply` after it, as a `LossScaleOptimizer` needs; with a plain
+optimizer (the float32 reference) `scale_loss` returns the loss as it is,
+so the same code trains all the variants the tests compare.
+
+Data are numbers fed through `fit` as a dict, so every variant sees the
+same batches and the same latent noise.
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+LATENT = 4
+FEATURES = 8
+
+
+def data(count=64, seed=0) -> dict:
+    """Real samples (a shifted, stretched Gaussian in FEATURES dimensions)
+    and two latent draws per sample."""
+    rng = np.random.default_rng(seed)
+    real = rng.normal(0.0, 1.0, (count, FEATURES)) * np.linspace(0.5, 2.0, FEATURES)
+    real = real + np.linspace(-1.0, 3.0, FEATURES)
+    return {
+        "real": real.astype("float32"),
+        "z1": rng.normal(size=(count, LATENT)).astype("float32"),
+        "z2": rng.normal(size=(count, LATENT)).astype("float32"),
+    }
+
+
+def mlp(inputs, width, outputs, name, activation="relu", seed=0):
+    """Dense layers in the global policy, a float32 output layer."""
+    keras.utils.set_random_seed(seed)
+    x = inp = keras.Input((inputs,))
+    x = keras.layers.Dense(width, activation=activation)(x)
+    x = keras.layers.Dense(width, activation=activation)(x)
+    out = keras.layers.Dense(outputs, dtype="float32")(x)
+    return keras.Model(inp, out, name=name)
+
+
+class CountingModel(keras.Model):
+    """keras.io "Customizing what happens in fit()": a subclassed model with
+    its own `train_step`, which also counts the batches it ran."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(16, activation="relu")
+        self.head = keras.layers.Dense(1, dtype="float32")
+        self.steps_run = keras.Variable(0, dtype="int32", trainable=False)
+
+    def call(self, x):
+        return self.head(self.hidden(x))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred)
+            scaled = self.optimizer.scale_loss(loss)
+        variables = self.trainable_variables
+        self.optimizer.apply(tape.gradient(scaled, variables), variables)
+        self.steps_run.assign_add(1)
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+    def predict_twice(self, x):
+        """A method of the user's class that calls the model."""
+        return self(x) * 2.0
+
+
+class GAN(keras.Model):
+    """keras.io's DCGAN and WGAN-GP training steps: the critic's step (the
+    generator called inside its tape), then the generator's step through
+    the critic. `penalty` > 0 gives WGAN-GP's losses and gradient penalty;
+    0 gives DCGAN's cross-entropies."""
+
+    def __init__(self, generator, critic, penalty=0.0, critic_steps=1, **kwargs):
+        super().__init__(**kwargs)
+        self.generator = generator
+        self.critic = critic
+        self.penalty = penalty
+        self.critic_steps = critic_steps
+
+    def compile(self, d_optimizer, g_optimizer):
+        super().compile()
+        self.d_optimizer = d_optimizer
+        self.g_optimizer = g_optimizer
+        self.d_loss_tracker = keras.metrics.Mean(name="d_loss")
+        self.g_loss_tracker = keras.metrics.Mean(name="g_loss")
+
+    @property
+    def metrics(self):
+        return [self.d_loss_tracker, self.g_loss_tracker]
+
+    def critic_loss(self, real, z):
+        fake = self.generator(z, training=True)
+        real_score = self.critic(real, training=True)
+        fake_score = self.critic(fake, training=True)
+        if not self.penalty:
+            return _cross_entropy(1.0, real_score) + _cross_entropy(0.0, fake_score)
+        loss = tf.reduce_mean(fake_score) - tf.reduce_mean(real_score)
+        return loss + self.penalty * self.gradient_penalty(real, fake)
+
+    def gradient_penalty(self, real, fake):
+        alpha = tf.linspace(0.0, 1.0, tf.shape(real)[0])[:, None]
+        mixed = real + alpha * (tf.cast(fake, real.dtype) - real)
+        with tf.GradientTape() as tape:
+            tape.watch(mixed)
+            score = self.critic(mixed, training=True)
+        gradient = tape.gradient(score, mixed)
+        norm = tf.sqrt(tf.reduce_sum(tf.square(gradient), axis=1) + 1e-12)
+        return tf.reduce_mean(tf.square(norm - 1.0))
+
+    def generator_loss(self, z):
+        score = self.critic(self.generator(z, training=True), training=True)
+        if not self.penalty:
+            return _cross_entropy(1.0, score)
+        return -tf.reduce_mean(score)
+
+    def train_step(self, data):
+        real, z1, z2 = data["real"], data["z1"], data["z2"]
+        # Under tf.distribute each replica's loss is a mean over its share
+        # of the batch, and the optimizer sums the replicas' gradients (as
+        # TensorFlow's custom-training guide says, divide by the replicas).
+        replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+        for _ in range(self.critic_steps):
+            with tf.GradientTape() as tape:
+                d_loss = self.critic_loss(real, z1)
+                scaled = self.d_optimizer.scale_loss(d_loss / replicas)
+            variables = self.critic.trainable_weights
+            self.d_optimizer.apply(tape.gradient(scaled, variables), variables)
+        with tf.GradientTape() as tape:
+            g_loss = self.generator_loss(z2)
+            scaled = self.g_optimizer.scale_loss(g_loss / replicas)
+        variables = self.generator.trainable_weights
+        self.g_optimizer.apply(tape.gradient(scaled, variables), variables)
+        self.d_loss_tracker.update_state(d_loss)
+        self.g_loss_tracker.update_state(g_loss)
+        return {m.name: m.result() for m in self.metrics}
+
+
+def _cross_entropy(label, logits):
+    logits = tf.cast(logits, tf.float32)
+    labels = tf.fill(tf.shape(logits), label)
+    return tf.reduce_mean(
+        tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=logits)
+    )
+
+
+def sample_error(generator, data_) -> float:
+    """How far the generator's samples are from the real ones: the mean over
+    features of |mean difference| + |std difference|, on the latent draws
+    of `data_` (0 for a perfect match of the first two moments)."""
+    fake = np.asarray(generator(data_["z1"], training=False), np.float64)
+    real = data_["real"].astype(np.float64)
+    return float(
+        np.mean(np.abs(fake.mean(0) - real.mean(0)) + np.abs(fake.std(0) - real.std(0)))
+    )
+
+
+class VAE(keras.Model):
+    """keras.io's VAE step: one optimizer over the encoder and the decoder,
+    the reparameterised sample drawn from fixed noise in the batch."""
+
+    def __init__(self, encoder, decoder, **kwargs):
+        super().__init__(**kwargs)
+        self.encoder = encoder
+        self.decoder = decoder
+        self.loss_tracker = keras.metrics.Mean(name="loss")
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker]
+
+    def loss_of(self, x, noise):
+        moments = tf.cast(self.encoder(x, training=True), tf.float32)
+        mean, log_var = moments[:, :LATENT], moments[:, LATENT:]
+        z = mean + tf.exp(0.5 * log_var) * noise
+        reconstruction = tf.cast(self.decoder(z, training=True), tf.float32)
+        error = tf.reduce_mean(tf.reduce_sum(tf.square(x - reconstruction), axis=1))
+        kl = -0.5 * tf.reduce_mean(
+            tf.reduce_sum(1 + log_var - tf.square(mean) - tf.exp(log_var), axis=1)
+        )
+        return error + kl
+
+    def train_step(self, data):
+        with tf.GradientTape() as tape:
+            loss = self.loss_of(data["real"], data["z1"])
+            scaled = self.optimizer.scale_loss(loss)
+        variables = self.encoder.trainable_weights + self.decoder.trainable_weights
+        self.optimizer.apply(tape.gradient(scaled, variables), variables)
+        self.loss_tracker.update_state(loss)
+        return {"loss": self.loss_tracker.result()}
+
+
+class Distiller(keras.Model):
+    """keras.io's knowledge distillation step: a frozen teacher, a student
+    trained on the labels and on the teacher's softened outputs."""
+
+    def __init__(self, student, teacher, temperature=3.0, alpha=0.5, **kwargs):
+        super().__init__(**kwargs)
+        self.student = student
+        self.teacher = teacher
+        self.temperature = temperature
+        self.alpha = alpha
+        self.loss_tracker = keras.metrics.Mean(name="loss")
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker]
+
+    def train_step(self, data):
+        x, y = data["real"], data["label"]
+        teacher = tf.cast(self.teacher(x, training=False), tf.float32)
+        with tf.GradientTape() as tape:
+            student = tf.cast(self.student(x, training=True), tf.float32)
+            hard = tf.reduce_mean(
+                keras.losses.sparse_categorical_crossentropy(y, student, from_logits=True)
+            )
+            soft = keras.losses.KLDivergence()(
+                tf.nn.softmax(teacher / self.temperature),
+                tf.nn.softmax(student / self.temperature),
+            )
+            loss = self.alpha * hard + (1 - self.alpha) * soft * self.temperature**2
+            scaled = self.optimizer.scale_loss(loss)
+        variables = self.student.trainable_weights
+        self.optimizer.apply(tape.gradient(scaled, variables), variables)
+        self.loss_tracker.update_state(loss)
+        return {"loss": self.loss_tracker.result()}
