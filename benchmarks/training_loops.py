@@ -55,8 +55,8 @@ def _skips(optimizer, calls):
 
 
 def gan(variant, penalty, data, epochs, jit):
+    keras.backend.clear_session(free_memory=False)  # (resets the policy)
     _policy(variant)
-    keras.backend.clear_session(free_memory=False)
     generator = _model(variant, lambda: loops.mlp(loops.LATENT, 64, loops.FEATURES, "gen", seed=1))
     critic = _model(variant, lambda: loops.mlp(loops.FEATURES, 64, 1, "critic", "tanh", seed=2))
     model = loops.GAN(generator, critic, penalty=penalty)
@@ -73,8 +73,8 @@ def gan(variant, penalty, data, epochs, jit):
 
 
 def vae(variant, data, epochs, jit):
+    keras.backend.clear_session(free_memory=False)  # (resets the policy)
     _policy(variant)
-    keras.backend.clear_session(free_memory=False)
     encoder = _model(variant, lambda: loops.mlp(loops.FEATURES, 64, 2 * loops.LATENT, "enc", seed=3))
     decoder = _model(variant, lambda: loops.mlp(loops.LATENT, 64, loops.FEATURES, "dec", seed=4))
     model = loops.VAE(encoder, decoder)
@@ -85,8 +85,8 @@ def vae(variant, data, epochs, jit):
 
 
 def distiller(variant, data, epochs, jit):
+    keras.backend.clear_session(free_memory=False)  # (resets the policy)
     _policy(variant)
-    keras.backend.clear_session(free_memory=False)
     teacher = loops.mlp(loops.FEATURES, 64, 2, "teacher", seed=5)
     student = _model(variant, lambda: loops.mlp(loops.FEATURES, 16, 2, "student", seed=6))
     model = loops.Distiller(student, teacher)

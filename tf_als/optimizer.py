@@ -69,7 +69,10 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             re-chosen on steps where `iterations % update_interval == 0`
             (the first step included), from that step's gradients, and
             serve from the next step on; in between they are constants and
-            no statistics are computed.
+            no statistics are computed. With `gradient_accumulation_steps`
+            on the inner optimizer, `iterations` counts applied steps: the
+            points measure on the micro-batch that applies, and the scales
+            change only between applies (`tf_als.schedule`).
         underflow_rate: float in [0, 1), default 0.01. The quantile of the
             nonzero gradient magnitudes that each point records and checks
             against float16's smallest normal (the paper's 1% underflow).
