@@ -41,6 +41,52 @@ def mlp(inputs, width, outputs, name, activation="relu", seed=0):
     return keras.Model(inp, out, name=name)
 
 
+IMAGE = 16
+
+
+def images(count=256, seed=0) -> dict:
+    """Real IMAGExIMAGE one-channel images (a bright disc of random centre
+    and radius on a dark background) and two latent draws per image."""
+    rng = np.random.default_rng(seed)
+    grid = np.arange(IMAGE)[None, :, None]
+    centre = rng.uniform(4, IMAGE - 4, (count, 2, 1, 1))
+    radius = rng.uniform(2, 5, (count, 1, 1))
+    distance = (grid - centre[:, 0]) ** 2 + (np.transpose(grid, (0, 2, 1)) - centre[:, 1]) ** 2
+    real = np.tanh(2.0 * (radius**2 - distance) / radius**2)[..., None]
+    return {
+        "real": real.astype("float32"),
+        "z1": rng.normal(size=(count, LATENT)).astype("float32"),
+        "z2": rng.normal(size=(count, LATENT)).astype("float32"),
+    }
+
+
+def conv_generator(seed=0):
+    """DCGAN's generator at toy size: Dense, reshape, two transposed
+    convolutions, a float32 tanh output."""
+    keras.utils.set_random_seed(seed)
+    z = keras.Input((LATENT,))
+    x = keras.layers.Dense(4 * 4 * 32, activation="relu")(z)
+    x = keras.layers.Reshape((4, 4, 32))(x)
+    x = keras.layers.Conv2DTranspose(32, 4, strides=2, padding="same", activation="relu")(x)
+    x = keras.layers.Conv2DTranspose(16, 4, strides=2, padding="same", activation="relu")(x)
+    out = keras.layers.Conv2D(1, 3, padding="same", activation="tanh", dtype="float32")(x)
+    return keras.Model(z, out, name="conv_gen")
+
+
+def conv_critic(seed=0):
+    """DCGAN's critic at toy size: two strided convolutions with leaky
+    ReLU, a float32 linear score."""
+    keras.utils.set_random_seed(seed)
+    image = keras.Input((IMAGE, IMAGE, 1))
+    x = keras.layers.Conv2D(32, 4, strides=2, padding="same")(image)
+    x = keras.layers.LeakyReLU(0.2)(x)
+    x = keras.layers.Conv2D(64, 4, strides=2, padding="same")(x)
+    x = keras.layers.LeakyReLU(0.2)(x)
+    x = keras.layers.Flatten()(x)
+    out = keras.layers.Dense(1, dtype="float32")(x)
+    return keras.Model(image, out, name="conv_critic")
+
+
 class CountingModel(keras.Model):
     """keras.io "Customizing what happens in fit()": a subclassed model with
     its own `train_step`, which also counts the batches it ran."""
@@ -81,12 +127,15 @@ class GAN(keras.Model):
     the critic. `penalty` > 0 gives WGAN-GP's losses and gradient penalty;
     0 gives DCGAN's cross-entropies."""
 
-    def __init__(self, generator, critic, penalty=0.0, critic_steps=1, **kwargs):
+    def __init__(
+        self, generator, critic, penalty=0.0, critic_steps=1, scale_penalty=False, **kwargs
+    ):
         super().__init__(**kwargs)
         self.generator = generator
         self.critic = critic
         self.penalty = penalty
         self.critic_steps = critic_steps
+        self.scale_penalty = scale_penalty
 
     def compile(self, d_optimizer, g_optimizer):
         super().compile()
@@ -109,13 +158,22 @@ class GAN(keras.Model):
         return loss + self.penalty * self.gradient_penalty(real, fake)
 
     def gradient_penalty(self, real, fake):
-        alpha = tf.linspace(0.0, 1.0, tf.shape(real)[0])[:, None]
+        alpha = tf.linspace(0.0, 1.0, tf.shape(real)[0])
+        alpha = tf.reshape(alpha, [-1] + [1] * (len(real.shape) - 1))
         mixed = real + alpha * (tf.cast(fake, real.dtype) - real)
         with tf.GradientTape() as tape:
             tape.watch(mixed)
             score = self.critic(mixed, training=True)
+            if self.scale_penalty:
+                score = self.d_optimizer.scale_loss(score)
         gradient = tape.gradient(score, mixed)
-        norm = tf.sqrt(tf.reduce_sum(tf.square(gradient), axis=1) + 1e-12)
+        if self.scale_penalty:
+            # PyTorch's recipe for penalties under loss scaling: take the
+            # inner gradient of the scaled score, unscale it before use.
+            scale = self.d_optimizer.scale_loss(tf.constant(1.0))
+            gradient = gradient / tf.cast(scale, gradient.dtype)
+        squares = tf.reduce_sum(tf.reshape(tf.square(gradient), [tf.shape(gradient)[0], -1]), axis=1)
+        norm = tf.sqrt(squares + 1e-12)
         return tf.reduce_mean(tf.square(norm - 1.0))
 
     def generator_loss(self, z):
