@@ -91,12 +91,16 @@ class Backward:
         return outputs
 
     def enter(self, slot, x):
-        """Identity on a float model input in `slot`. Backward: the input's
+        """Identity on a model input in `slot` (a non-float input, such as
+        token ids, is returned as it is). Backward: the input's
         gradient, which carries T(slot), brought back to T = 1 (the global
         scale alone, as the uninstrumented model gives it), exactly, in
         float32. What uses a model's input gradient sees no per-layer
         scale: a gradient penalty, or a GAN's generator behind its
         critic."""
+
+        if not _is_float_tensor(x):
+            return x
 
         @tf.custom_gradient
         def enter(x):

@@ -545,7 +545,7 @@ def _run(plan, back, inputs, training, mask):
         return edges.get((slot, consumer), values[slot])
 
     for slot, x in zip(plan.input_slots, _model_inputs(top, inputs, mask)):
-        bind(slot, back.enter(slot, x) if _is_float(x) else x)
+        bind(slot, back.enter(slot, x))
     for call in plan.calls:
         for slot, y in zip(call.outputs, _run_call(call, value, back, training)):
             bind(slot, y)
@@ -557,10 +557,6 @@ def _run(plan, back, inputs, training, mask):
     if isinstance(outputs, (list, tuple)) and len(outputs) == 1:
         return outputs[0]
     return outputs
-
-
-def _is_float(x) -> bool:
-    return tf.is_tensor(x) and x.dtype.is_floating
 
 
 def _model_inputs(top, inputs, mask) -> list:
