@@ -169,7 +169,7 @@ def make(variant, name, jit_compile, chunk, blocks, strategy, batch):
         else:
             model = tf_als.instrument(model)
             interval = 1 if variant == "tf_als_1" else chunk
-            optimizer = tf_als.AdaptiveLossScaleOptimizer(inner, update_interval=interval)
+            optimizer = tf_als.AdaptiveLossScaleOptimizer(inner, telemetry_interval=interval)
         model.compile(optimizer=optimizer, loss=loss, jit_compile=jit_compile)
     return model, x, y, batch
 

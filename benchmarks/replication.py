@@ -25,7 +25,11 @@ Scalers:
   (dynamic: starts at 2**15, halves and skips on non-finite gradients,
   doubles after 2000 finite steps).
 - `tf_als`: mixed_float16, `tf_als.instrument` + `AdaptiveLossScaleOptimizer`
-  with its defaults (update_interval 100).
+  with its defaults (each point's scale from its gradient's amax, every
+  step).
+- `tf_als-paper`: the same with `rule="paper"`: the ALS paper's scale, the
+  reciprocal of the 1% quantile of the gradient's nonzero magnitudes,
+  capped by safety, every 100 steps.
 
 Underflow is measured as in `tf_als.diagnose`: on a fixed held-out batch, at
 the run's current weights and scales, the share of a layer's weight-gradient
@@ -48,7 +52,10 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 FIXED_SCALES = (1, 128, 1024, 32768)
-SCALERS = ("float32",) + tuple(f"fixed-{s}" for s in FIXED_SCALES) + ("keras", "tf_als")
+SCALERS = (
+    ("float32",) + tuple(f"fixed-{s}" for s in FIXED_SCALES)
+    + ("keras", "tf_als", "tf_als-paper")
+)
 TUNING_SCALES = tuple(2**k for k in range(0, 25, 3))  # 1, 8, ..., 2**24
 MODELS = ("cnn", "resnet", "sigmoid-mlp")
 UNDERFLOW_LIMIT = 0.01  # the paper's target: at most 1% of a layer's gradient
@@ -204,9 +211,10 @@ def train(model_name, scaler, seed, data, epochs, measure_every, steps=None):
         optimizer = inner
     elif scaler == "keras":
         optimizer = keras.optimizers.LossScaleOptimizer(inner)
-    elif scaler == "tf_als":
+    elif scaler in ("tf_als", "tf_als-paper"):
         model = tf_als.instrument(model)
-        optimizer = tf_als.AdaptiveLossScaleOptimizer(inner)
+        rule = "paper" if scaler == "tf_als-paper" else "amax"
+        optimizer = tf_als.AdaptiveLossScaleOptimizer(inner, rule=rule)
     else:
         optimizer = fixed_scale_optimizer(inner, scale_of(scaler))
     probe = None
@@ -255,7 +263,7 @@ def train(model_name, scaler, seed, data, epochs, measure_every, steps=None):
         ),
         "seconds": time.perf_counter() - started,
     }
-    if scaler == "tf_als":
+    if scaler.startswith("tf_als"):
         result["layer_scales"] = tf_als.scales(model)
     keras.mixed_precision.set_global_policy("float32")
     return result

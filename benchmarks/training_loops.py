@@ -2,7 +2,7 @@
 the tests train them, three ways from the same weights on the same batches:
 float32, Keras's `LossScaleOptimizer` on the plain float16 models, and
 tf_als (every trained model instrumented, one `AdaptiveLossScaleOptimizer`
-per optimizer, defaults except `update_interval=10`).
+per optimizer, defaults except `telemetry_interval=10`).
 
 `WGAN-GP conv` rebuilds a reported failure (see `conv_wgan`) and adds a
 fourth run, the fix the report's readers would apply by hand.
@@ -45,7 +45,7 @@ def _optimizer(variant, rate):
         return inner
     if variant == "keras":
         return keras.optimizers.LossScaleOptimizer(inner)
-    return tf_als.AdaptiveLossScaleOptimizer(inner, update_interval=10)
+    return tf_als.AdaptiveLossScaleOptimizer(inner, telemetry_interval=10)
 
 
 def _model(variant, build):

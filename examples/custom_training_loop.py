@@ -85,7 +85,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=64, help="default 64")
     parser.add_argument("--learning-rate", type=float, default=1e-3,
                         help="Adam learning rate (default 1e-3)")
-    parser.add_argument("--update-interval", type=int, default=10,
+    parser.add_argument("--telemetry-interval", type=int, default=10,
                         help="steps between per-layer scale updates (default 10)")
     parser.add_argument("--log-dir", default=None,
                         help="write ScaleHistory TensorBoard summaries here")
@@ -95,7 +95,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.epochs = 3
-    for name in ("epochs", "batch_size", "update_interval"):
+    for name in ("epochs", "batch_size", "telemetry_interval"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
@@ -117,7 +117,7 @@ def main(argv=None) -> dict:
     model = tf_als.instrument(build_model(x_train.shape[1]))
     optimizer = tf_als.AdaptiveLossScaleOptimizer(
         keras.optimizers.Adam(args.learning_rate),
-        update_interval=args.update_interval,
+        telemetry_interval=args.telemetry_interval,
     )
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     train_step = make_train_step(model, optimizer, loss_fn)

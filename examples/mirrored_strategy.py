@@ -94,7 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="global batch size, split between replicas (default 64)")
     parser.add_argument("--learning-rate", type=float, default=1e-2,
                         help="Adam learning rate (default 1e-2)")
-    parser.add_argument("--update-interval", type=int, default=10,
+    parser.add_argument("--telemetry-interval", type=int, default=10,
                         help="steps between per-layer scale updates (default 10)")
     parser.add_argument("--seed", type=int, default=0, help="default 0")
     parser.add_argument("--quick", action="store_true",
@@ -106,7 +106,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.epochs = 2
-    for name in ("epochs", "batch_size", "update_interval"):
+    for name in ("epochs", "batch_size", "telemetry_interval"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.batch_size % REPLICAS:
@@ -128,7 +128,7 @@ def main(argv=None) -> dict:
         model.compile(
             optimizer=tf_als.AdaptiveLossScaleOptimizer(
                 keras.optimizers.Adam(args.learning_rate),
-                update_interval=args.update_interval,
+                telemetry_interval=args.telemetry_interval,
             ),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             metrics=["accuracy"],

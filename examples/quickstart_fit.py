@@ -50,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=64, help="default 64")
     parser.add_argument("--learning-rate", type=float, default=1e-3,
                         help="Adam learning rate (default 1e-3)")
-    parser.add_argument("--update-interval", type=int, default=20,
+    parser.add_argument("--telemetry-interval", type=int, default=20,
                         help="steps between per-layer scale updates (default 20)")
     parser.add_argument("--log-dir", default=None,
                         help="write ScaleHistory TensorBoard summaries here")
@@ -62,7 +62,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.epochs = 3
-    for name in ("epochs", "batch_size", "update_interval"):
+    for name in ("epochs", "batch_size", "telemetry_interval"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
@@ -78,7 +78,7 @@ def main(argv=None) -> dict:
     model.compile(
         optimizer=tf_als.AdaptiveLossScaleOptimizer(
             keras.optimizers.Adam(args.learning_rate),
-            update_interval=args.update_interval,
+            telemetry_interval=args.telemetry_interval,
         ),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],

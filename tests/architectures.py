@@ -148,10 +148,10 @@ def post_ln_transformer(blocks=2, dim=64, heads=4, length=32, vocabulary=200):
     return keras.Model(tokens, outputs, name="post_ln_transformer")
 
 
-def post_ln_tokens(batches, batch=32, length=32, vocabulary=200, classes=8):
+def post_ln_tokens(batches, batch=32, length=32, vocabulary=200, classes=8, seed=0):
     """`batches` batches of token ids whose label is a function of the
     first four tokens (learnable, so the loss and gradients keep moving)."""
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     x = rng.integers(0, vocabulary, size=(batches * batch, length)).astype("int32")
     return x, x[:, :4].sum(axis=1) % classes
 

@@ -42,7 +42,7 @@ def _train(strategy, weights):
 
         def optimizer():
             return tf_als.AdaptiveLossScaleOptimizer(
-                keras.optimizers.SGD(0.05), update_interval=INTERVAL
+                keras.optimizers.SGD(0.05), telemetry_interval=INTERVAL
             )
 
         gan.compile(d_optimizer=optimizer(), g_optimizer=optimizer())

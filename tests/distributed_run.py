@@ -21,11 +21,12 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 STEPS = 6  # one epoch of 6 global batches
-INTERVAL = 2  # scales are updated at steps 0, 2 and 4
+INTERVAL = 2  # telemetry is recorded at steps 0, 2 and 4
 GLOBAL_BATCH = 16  # 8 examples per replica
-# A low ceiling: the head's point reaches it, so the points behind it take
-# up the rest (scales 1 to 8 that differ between points and change at step
-# 2; with the default 2**15 the head alone would take all the headroom).
+# A low ceiling: the head's point reaches it on the second replica, whose
+# gradients are smaller, and not on the first, so the replicas' scales
+# differ (with the default 2**15 the head alone would take all the
+# headroom on both).
 MAX_LAYER_SCALE = 2.0**3
 FEATURES = 12
 CLASSES = 5
@@ -68,12 +69,18 @@ def build():
 
 
 def data():
+    """(x, y, sample weights): the first half of every global batch (the
+    first replica's) weighs 2**4, the second 1, so that the replicas'
+    gradients differ by about that factor and their points choose
+    different scales from them."""
     import numpy as np
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(STEPS * GLOBAL_BATCH, FEATURES)).astype("float32")
     y = rng.integers(0, CLASSES, size=(STEPS * GLOBAL_BATCH,)).astype("int32")
-    return x, y
+    half = np.arange(STEPS * GLOBAL_BATCH) % GLOBAL_BATCH < GLOBAL_BATCH // 2
+    weights = np.where(half, 1.0, 2.0**-4).astype("float32")
+    return x, y, weights
 
 
 def small_loss():
@@ -148,7 +155,7 @@ def _make(strategy, initial_weights):
         model.model.set_weights(initial_weights)
         optimizer = tf_als.AdaptiveLossScaleOptimizer(
             keras.optimizers.SGD(LEARNING_RATE),
-            update_interval=INTERVAL,
+            telemetry_interval=INTERVAL,
             max_layer_scale=MAX_LAYER_SCALE,
         )
     return model, optimizer
@@ -166,10 +173,11 @@ def train_fit(strategy, initial_weights):
 
     with strategy.scope():
         model.compile(optimizer=optimizer, loss=small_loss())
-    x, y = data()
+    x, y, weights = data()
     model.fit(
         x,
         y,
+        sample_weight=weights,
         batch_size=GLOBAL_BATCH,
         epochs=1,
         shuffle=False,
@@ -186,24 +194,28 @@ def train_loop(strategy, initial_weights):
     loss = small_loss()
     variables = model.trainable_variables
     with strategy.scope():
+        # The points choose with the optimizer's knobs (max_layer_scale).
+        model.compile(optimizer=optimizer)
         optimizer.build(variables)
-    x, y = data()
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+    x, y, weights = data()
+    dataset = tf.data.Dataset.from_tensor_slices((x, y, weights)).batch(GLOBAL_BATCH)
     dataset = strategy.experimental_distribute_dataset(dataset)
 
-    def step(batch_x, batch_y):
+    def step(batch_x, batch_y, batch_weights):
         with tf.GradientTape() as tape:
-            value = loss(batch_y, model(batch_x, training=True))
+            value = loss(
+                batch_y, model(batch_x, training=True), sample_weight=batch_weights
+            )
             scaled = optimizer.scale_loss(value)
         optimizer.apply(tape.gradient(scaled, variables), variables)
 
     @tf.function
-    def distributed_step(batch_x, batch_y):
-        strategy.run(step, args=(batch_x, batch_y))
+    def distributed_step(batch_x, batch_y, batch_weights):
+        strategy.run(step, args=(batch_x, batch_y, batch_weights))
 
     per_step = []
-    for batch_x, batch_y in dataset:
-        distributed_step(batch_x, batch_y)
+    for batch_x, batch_y, batch_weights in dataset:
+        distributed_step(batch_x, batch_y, batch_weights)
         per_step.append(_per_replica(strategy, model))
     return model, optimizer, per_step
 
@@ -216,6 +228,7 @@ def summary(model, optimizer, per_step):
     return {
         "weights": [np.asarray(v).tolist() for v in model.model.get_weights()],
         "weight_names": [v.path for v in model.model.weights],
+        "trainable_shapes": [list(v.shape) for v in model.trainable_variables],
         "scales": tf_als.scales(model),
         "states": [point.read() for point in model.scaling_points],
         "iterations": int(optimizer.iterations.numpy()),

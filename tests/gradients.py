@@ -47,17 +47,17 @@ def applied_gradients(
     mode="function",
     max_steps=40,
     training=True,
-    applied=2,
+    applied=1,
 ):
     """Steps `model` on one batch until the inner `GradientRecorder` has
     applied `applied` steps (non-finite steps are skipped by the loss scale
     optimizer and retried at half the scale), with learning rate 0, so the
     weights and the true gradient never change.
 
-    Two by default: an `AdaptiveLossScaleOptimizer`'s first step is a scale
-    update, whose scales serve from the next step on, so the second applied
-    step is the first to use the scales tf_als chose. Keras's
-    `LossScaleOptimizer` receives the same gradient on both.
+    One by default: an `AdaptiveLossScaleOptimizer`'s points choose their
+    scales from the gradients they scale, so its first applied step already
+    runs on them (and Keras's `LossScaleOptimizer` receives the same
+    gradient on every step).
 
     Returns `(gradients, steps)`: the captured numpy gradients of the last
     applied step in `model.trainable_variables` order and how many steps it

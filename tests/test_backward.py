@@ -121,7 +121,7 @@ def test_cumulative_scales_follow_the_rule(mixed):
     with T(t) the minimum over t's consumers and T = 1 at the outputs."""
     model = tf_als.instrument(_bookkeeping_model())
     optimizer = tf_als.AdaptiveLossScaleOptimizer(
-        gradients.GradientRecorder(), initial_scale=1.0, update_interval=1
+        gradients.GradientRecorder(), initial_scale=1.0, telemetry_interval=1
     )
     x, y = _data()
     gradients.applied_gradients(model, optimizer, x, y, _loss)
@@ -175,7 +175,7 @@ def test_each_point_sees_the_new_scales_downstream(mixed):
 
     instrumented = tf_als.instrument(model)
     optimizer = tf_als.AdaptiveLossScaleOptimizer(
-        gradients.GradientRecorder(), initial_scale=1.0, update_interval=1
+        gradients.GradientRecorder(), initial_scale=1.0, telemetry_interval=1
     )
     gradients.applied_gradients(instrumented, optimizer, x, y, loss)
     state = {p.point_name: p.read() for p in instrumented.scaling_points}
@@ -184,31 +184,38 @@ def test_each_point_sees_the_new_scales_downstream(mixed):
     assert measured == pytest.approx(true_amax, rel=2.0**-10)
 
 
-def test_scales_change_only_on_update_steps(mixed):
-    """update_interval=3: statistics and scales change on steps 0, 3, 6
-    only; in between the state is left exactly as it was."""
+def test_telemetry_is_recorded_every_interval_and_scales_every_step(mixed):
+    """telemetry_interval=3: the records (statistics, T_in, step) change on
+    steps 0, 3, 6 only; the scales are the latest step's on every step."""
     model = tf_als.instrument(_bookkeeping_model())
     optimizer = tf_als.AdaptiveLossScaleOptimizer(
-        keras.optimizers.SGD(0.05), initial_scale=1.0, update_interval=3
+        keras.optimizers.SGD(0.05), initial_scale=1.0, telemetry_interval=3
     )
     x, y = _data()
     variables = model.trainable_variables
+    chosen = []
 
     @tf.function
     def step():
         with tf.GradientTape() as tape:
             value = optimizer.scale_loss(_loss(y, model(x, training=True)))
         optimizer.apply(tape.gradient(value, variables), variables)
+        # What the points chose in this very pass.
+        records = model.pass_record.latest()
+        return [records[i].scale for i in sorted(records)]
 
     history = []
     for _ in range(8):
-        step()
+        chosen.append([float(s) for s in step()])
         history.append([p.read() for p in model.scaling_points])
     for i, states in enumerate(history):
         expected_last = (i // 3) * 3
         assert {s["last_update"] for s in states} == {expected_last}, i
+        assert [s["scale"] for s in states] == chosen[i], i
         if i % 3:
-            assert states == history[i - 1], i
+            without_scale = [dict(s, scale=None) for s in states]
+            before = [dict(s, scale=None) for s in history[i - 1]]
+            assert without_scale == before, i
 
 
 def test_without_a_linked_optimizer_scales_stay_fixed(mixed):
@@ -221,14 +228,15 @@ def test_without_a_linked_optimizer_scales_stay_fixed(mixed):
     assert [p.read() for p in model.scaling_points] == before
 
 
-def test_a_non_finite_update_keeps_the_scales(mixed):
-    """An update step whose gradient is not finite is skipped by the loss
-    scale optimizer; the per-layer scales must not be chosen from it."""
+def test_a_non_finite_step_keeps_the_scales(mixed):
+    """A step whose gradient is not finite is skipped by the loss scale
+    optimizer; the scales the points chose from it are not kept (under the
+    paper's rule they would serve until the next update)."""
     model = tf_als.instrument(_bookkeeping_model())
     for point in model.scaling_points:
         point.scale.assign(FIXED_SCALES[point.point_name])
     optimizer = tf_als.AdaptiveLossScaleOptimizer(
-        keras.optimizers.SGD(0.1), update_interval=1
+        keras.optimizers.SGD(0.1), telemetry_interval=1
     )
     x, y = _data()
     weights = [np.asarray(v) for v in model.trainable_variables]

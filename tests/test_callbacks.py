@@ -43,7 +43,7 @@ def _model(interval=2):
     model = tf_als.instrument(mixed)
     model.compile(
         optimizer=tf_als.AdaptiveLossScaleOptimizer(
-            keras.optimizers.SGD(0.1), update_interval=interval
+            keras.optimizers.SGD(0.1), telemetry_interval=interval
         ),
         loss=SmallLoss(),
     )
@@ -140,7 +140,7 @@ def test_custom_loop(mixed):
     _, base = CASE.build_pair()
     model = tf_als.instrument(base)
     optimizer = tf_als.AdaptiveLossScaleOptimizer(
-        keras.optimizers.SGD(0.1), update_interval=3
+        keras.optimizers.SGD(0.1), telemetry_interval=3
     )
     history = callbacks.ScaleHistory()
     history.set_model(model)

@@ -40,7 +40,7 @@ def _trainable(case, **compile_kwargs):
     instrumented = tf_als.instrument(model)
     instrumented.compile(
         optimizer=tf_als.AdaptiveLossScaleOptimizer(
-            keras.optimizers.Adam(1e-3), update_interval=1
+            keras.optimizers.Adam(1e-3), telemetry_interval=1
         ),
         loss=case.loss,
         **compile_kwargs,

@@ -12,8 +12,14 @@ and prints JSON.
 
 The model (Dense, synchronized BatchNormalization, a residual fork, a
 float32 head) is trained on a loss multiplied by 2**-12 with
-`update_interval=2` and `max_layer_scale=8`, so that the per-layer scales
-leave 1, differ between points and change during the run.
+`telemetry_interval=2` and `max_layer_scale=8`, so that the per-layer
+scales leave 1 and differ between points. The first replica's examples
+weigh 2**4, the second's 1: each replica's points choose their scales from
+its own gradients, so the replicas choose differently, and the run must
+still end where the single device ends. That is sound because each
+replica's weight gradients are unscaled, per call and in float32, before
+Keras sums them (docs/distributed.md): what is summed is S times the true
+gradient on every replica, whatever scales each chose.
 
 `test_multi_worker_custom_loop` (marked slow) runs the custom loop under
 MultiWorkerMirroredStrategy: two worker processes on 127.0.0.1.
@@ -141,11 +147,15 @@ def test_runs_on_two_replicas(run):
         assert len(run[key]["per_step"]) == STEPS
 
 
-def test_every_replica_uses_the_same_scales_at_every_step(run):
-    _check_replicas_agree(run)
+def test_every_replica_records_on_the_same_steps(run):
+    _check_replicas_record(run)
 
 
-def test_scales_equal_the_single_device_run(run):
+def test_replicas_choose_their_own_scales(run):
+    _check_own_scales(run)
+
+
+def test_scales_leave_one_and_the_global_scale_agrees(run):
     _check_scales(run)
 
 
@@ -153,19 +163,15 @@ def test_weights_equal_the_single_device_run(run):
     _check_weights(run)
 
 
-def test_one_packed_exchange_per_update_and_one_flag_per_step(run):
-    """tf_als's collectives: one all-gather per replica and trace, of every
-    point's measurement packed in one tensor ([1, points, measurement]),
-    traced inside the update branch (a `tf.cond` taken on update steps
-    only); and one all-reduce of a scalar per replica and trace, on every
-    step, so that all replicas agree whether the step's gradients are
-    finite (`tf_als.optimizer._agree_across_replicas`). Keras's gradient
+def test_one_flag_per_step_and_no_other_exchange(run):
+    """tf_als's collectives: one all-reduce of a scalar per replica and
+    trace, on every step, so that all replicas agree whether the step's
+    gradients are finite (`tf_als.optimizer._agree_across_replicas`), and
+    nothing else: the points choose from their replica's own gradients,
+    and the telemetry records each replica's own. Keras's gradient
     all-reduce does not go through the replica context's methods;
     synchronized BatchNormalization's all-reduces do, of its [1, channels]
     moments, and are left aside."""
-    from tf_als import rule
-
-    points = len(run["mirrored"]["scales"])
     flags = [
         c for c in run["mirrored"]["collectives"]
         if c["kind"] == "all_reduce" and c["shapes"] == [[]]
@@ -173,14 +179,14 @@ def test_one_packed_exchange_per_update_and_one_flag_per_step(run):
     assert len(flags) == REPLICAS, run["mirrored"]["collectives"]
     assert not any("cond" in f["graph"] for f in flags), flags
     gathers = [c for c in run["mirrored"]["collectives"] if c["kind"] == "all_gather"]
-    assert gathers, run["mirrored"]["collectives"]
-    assert len(gathers) % REPLICAS == 0, gathers
-    # One trace of the train step (fit traces it once; the loop's
-    # tf.function once), so one exchange per replica.
-    assert len(gathers) == REPLICAS, gathers
-    for gather in gathers:
-        assert gather["shapes"] == [[1, points, 1 + rule.TALLY_SIZE]], gather
-        assert "cond" in gather["graph"], gather
+    assert not gathers, gathers
+    gradient_sum = [list(shape) for shape in run["mirrored"]["trainable_shapes"]]
+    others = [
+        c for c in run["mirrored"]["collectives"]
+        if c["kind"] == "all_reduce" and c["shapes"] not in ([[]], gradient_sum)
+        and not all(len(shape) == 2 and shape[0] == 1 for shape in c["shapes"])
+    ]
+    assert not others, others
 
 
 @pytest.mark.slow
@@ -222,40 +228,46 @@ def test_multi_worker_custom_loop():
         for step in range(STEPS)
     ]
     run = dict(chief, mirrored=dict(chief["mirrored"], per_step=per_step))
-    _check_replicas_agree(run)
+    _check_replicas_record(run)
+    _check_own_scales(run)
     _check_scales(run)
     _check_weights(run)
     for index in range(1, REPLICAS):
         assert results[index]["mirrored"]["weights"] == chief["mirrored"]["weights"]
 
 
-def _check_replicas_agree(run):
-    single, mirrored = run["single"]["per_step"], run["mirrored"]["per_step"]
-    assert len(mirrored) == len(single) == STEPS
-    for step, (reference, points) in enumerate(zip(single, mirrored)):
-        for k, (expected, point) in enumerate(zip(reference, points)):
+def _check_replicas_record(run):
+    """Every replica records its telemetry on the same steps (0, 2, 4),
+    and every point's gradients carry T_in >= 1 on every replica."""
+    mirrored = run["mirrored"]["per_step"]
+    assert len(mirrored) == len(run["single"]["per_step"]) == STEPS
+    for step, points in enumerate(mirrored):
+        for k, point in enumerate(points):
             where = f"step {step}, point {k}"
-            for name in ("scale", "record", "last_update"):
-                values = point[name]
-                assert len(values) == REPLICAS, where
-                assert all(v == values[0] for v in values), (where, name, values)
-            # Updated on steps 0, 2, 4, and to the single device's scale.
-            assert point["last_update"][0] == step - step % INTERVAL, where
-            assert point["scale"][0] == expected["scale"][0], where
-            assert point["record"][0][0] == expected["record"][0][0], where
+            assert len(point["last_update"]) == REPLICAS, where
+            assert point["last_update"] == [step - step % INTERVAL] * REPLICAS, where
+            assert all(r[0] >= 1.0 for r in point["record"]), where
+
+
+def _check_own_scales(run):
+    """The replicas' scales differ at some point and step: each chose
+    from its own gradients (the first replica's are 2**4 larger)."""
+    differ = [
+        (step, k, point["scale"])
+        for step, points in enumerate(run["mirrored"]["per_step"])
+        for k, point in enumerate(points)
+        if len(set(point["scale"])) > 1
+    ]
+    assert differ, "every replica chose the same scales at every step"
 
 
 def _check_scales(run):
     single, mirrored = run["single"], run["mirrored"]
-    assert mirrored["scales"] == single["scales"]
     # The scales left 1 at more than one point (so the fork around the
-    # residual rescales), and they changed during the run.
+    # residual rescales).
     assert sum(s > 1.0 for s in mirrored["scales"].values()) >= 2
-    first = [p["scale"][0] for p in mirrored["per_step"][0]]
-    assert first != list(mirrored["scales"].values())
-    assert [s["cumulative_scale"] for s in mirrored["states"]] == [
-        s["cumulative_scale"] for s in single["states"]
-    ]
+    assert sum(s > 1.0 for s in single["scales"].values()) >= 2
+    assert all(s["cumulative_scale"] >= 1.0 for s in mirrored["states"])
     assert {s["last_update"] for s in mirrored["states"]} == {4}
     assert mirrored["dynamic_scale"] == single["dynamic_scale"]
     assert mirrored["iterations"] == single["iterations"] == STEPS
@@ -283,9 +295,10 @@ def _check_weights(run):
 def test_a_gan_on_two_replicas():
     """The GAN step of tests/loops.py (two instrumented models, two
     optimizers, the generator inside the critic's tape and the critic
-    inside the generator's) under MirroredStrategy: every replica holds the
-    same scales, schedule and update steps, and the run ends where the
-    single-device run ends (tolerance: WEIGHT_TOLERANCE, as above)."""
+    inside the generator's) under MirroredStrategy: every replica records
+    on the same steps, and the run ends where the single-device run ends
+    (tolerance: WEIGHT_TOLERANCE, as above), whatever scales each replica
+    chose from its own noise."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     env.pop("TF_CONFIG", None)
     env["PYTHONPATH"] = os.pathsep.join(
@@ -300,11 +313,8 @@ def test_a_gan_on_two_replicas():
     for name in ("generator", "critic"):
         single, mirrored = result["single"][name], result["mirrored"][name]
         assert mirrored["iterations"] == single["iterations"] == 6
-        for variable, values in mirrored["replicas"].items():
-            assert len(values) == REPLICAS
-            assert all(v == values[0] for v in values), (name, variable, values)
-        assert mirrored["replicas"]["last_updates"][0] == [4] * len(single["scales"])
-        assert mirrored["scales"] == single["scales"]
+        last = mirrored["replicas"]["last_updates"]
+        assert last == [[4] * len(single["scales"])] * REPLICAS, (name, last)
         for got, want, start in zip(mirrored["weights"], single["weights"], single["initial"]):
             got, want, start = np.asarray(got), np.asarray(want), np.asarray(start)
             moved = np.abs(want - start).max()

@@ -75,10 +75,10 @@ def check_learned(result: dict, min_accuracy: float) -> None:
 
 
 def check_updates(result: dict, module) -> None:
-    """ScaleHistory saw a scale update on every `update_interval`-th
+    """ScaleHistory saw a scale update on every `telemetry_interval`-th
     optimizer step, first step included (a retried step repeats its
     number), and the global loss scale stayed a power of two."""
-    interval = module.parse_args(["--quick"]).update_interval
+    interval = module.parse_args(["--quick"]).telemetry_interval
     assert result["steps"] > 0
     assert sorted(set(result["scale_updates"])) == list(
         range(0, result["steps"], interval)

@@ -34,7 +34,7 @@ def _setup():
     _, mixed = CASE.build_pair()
     model = tf_als.instrument(mixed)
     optimizer = tf_als.AdaptiveLossScaleOptimizer(
-        keras.optimizers.SGD(0.5), update_interval=INTERVAL
+        keras.optimizers.SGD(0.5), telemetry_interval=INTERVAL
     )
     x, y = CASE.data()
     return model, optimizer, x, y

@@ -21,6 +21,8 @@ LSO = keras.optimizers.LossScaleOptimizer
 
 
 NEW_DEFAULTS = dict(
+    rule="amax",
+    telemetry_interval=100,
     update_interval=100,
     underflow_rate=0.01,
     max_layer_scale=2.0**15,
@@ -67,7 +69,9 @@ def test_knobs_are_stored():
         keras.optimizers.Adam(),
         initial_scale=2.0**10,
         dynamic_growth_steps=7,
+        rule="paper",
         update_interval=3,
+        telemetry_interval=5,
         underflow_rate=0.05,
         max_layer_scale=2**10,
         overflow_margin=1,
@@ -75,7 +79,9 @@ def test_knobs_are_stored():
     )
     assert optimizer.initial_scale == 2.0**10
     assert optimizer.dynamic_growth_steps == 7
+    assert optimizer.rule == "paper"
     assert optimizer.update_interval == 3
+    assert optimizer.telemetry_interval == 5
     assert optimizer.underflow_rate == 0.05
     assert optimizer.max_layer_scale == 2.0**10
     assert optimizer.overflow_margin == 1.0
@@ -113,6 +119,11 @@ def _names(argument, value):
         ("update_interval", 1.5),
         ("update_interval", True),
         ("update_interval", "100"),
+        ("telemetry_interval", 0),
+        ("telemetry_interval", 2.5),
+        ("telemetry_interval", "10"),
+        ("rule", "quantile"),
+        ("rule", None),
         ("underflow_rate", -0.1),
         ("underflow_rate", 1.0),
         ("underflow_rate", "x"),
@@ -241,6 +252,8 @@ def test_accepts_edge_values():
 CUSTOM = dict(
     initial_scale=2.0**10,
     dynamic_growth_steps=3,
+    rule="paper",
+    telemetry_interval=9,
     update_interval=7,
     underflow_rate=0.05,
     max_layer_scale=2.0**10,
@@ -289,6 +302,54 @@ def test_from_config_round_trip():
     assert restored.inner_optimizer is not optimizer.inner_optimizer
     assert restored.update_interval == 7
     assert type(restored.update_interval) is int
+    assert restored.rule == "paper" and restored.telemetry_interval == 9
+
+
+def test_an_old_update_interval_becomes_the_telemetry_interval():
+    """Until 0.3 `update_interval` also set how often statistics were
+    recorded. A 0.2 config (no `rule`, no `telemetry_interval`) that set it
+    keeps that cadence for the telemetry, and says so; the default, or
+    the paper's rule (which still updates on it), says nothing."""
+    old = ALS(keras.optimizers.SGD(), update_interval=10).get_config()
+    del old["rule"], old["telemetry_interval"]
+    with pytest.warns(DeprecationWarning, match="telemetry_interval"):
+        restored = ALS.from_config(old)
+    assert restored.telemetry_interval == 10 and restored.update_interval == 10
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ALS(keras.optimizers.SGD()).telemetry_interval == 100
+        paper = ALS(keras.optimizers.SGD(), rule="paper", update_interval=10)
+        assert paper.telemetry_interval == 100
+        both = ALS(keras.optimizers.SGD(), update_interval=10, telemetry_interval=3)
+        assert both.telemetry_interval == 3
+
+
+def test_a_model_whose_pass_used_other_knobs_is_refused(mixed):
+    """A custom loop whose model was never compiled with the optimizer:
+    the backward pass ran with the default knobs before the optimizer's
+    `apply` could hand it its own, so the first `apply` refuses, naming
+    both and the fix; compiling first makes the same loop run."""
+    def build():
+        inputs = keras.Input((4,))
+        model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+        return tf_als.instrument(model)
+
+    x = tf.ones((2, 4))
+
+    def step(model, optimizer):
+        with tf.GradientTape() as tape:
+            loss = optimizer.scale_loss(tf.reduce_sum(model(x, training=True)))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply(grads, model.trainable_variables)
+
+    model = build()
+    optimizer = ALS(keras.optimizers.SGD(0.0), overflow_margin=2**6)
+    with pytest.raises(ValueError, match=r"overflow_margin=4096\.0[\s\S]*overflow_margin=64\.0[\s\S]*model\.compile"):
+        step(model, optimizer)
+    model = build()
+    model.compile(optimizer=optimizer)
+    step(model, optimizer)
+    assert model.scaling_config.overflow_margin == 64.0
 
 
 def test_serialize_round_trip_without_custom_objects():

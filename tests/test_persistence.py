@@ -25,7 +25,7 @@ The run is made so that nothing can pass vacuously (asserted in
 `first_epoch`): the loss is weighted by 2**-12 and the activations are
 sigmoids, so per-layer scales leave 1 at the first update; batch 2 of each
 epoch holds an inf, so a step is skipped and the global scale halves from
-2**15; epoch 1 ends at the odd iteration 5, so with `update_interval=2` the
+2**15; epoch 1 ends at the odd iteration 5, so with `telemetry_interval=2` the
 first resumed step is *not* an update step and trains with the restored
 per-layer scales (a lost scale changes the weights, measured: without the
 scaling point state the first kernel differs after epoch 2). The models
@@ -72,7 +72,7 @@ def build(seed=0, prefix=""):
         optimizer=tf_als.AdaptiveLossScaleOptimizer(
             keras.optimizers.Adam(1e-3),
             initial_scale=INITIAL_SCALE,
-            update_interval=UPDATE_INTERVAL,
+            telemetry_interval=UPDATE_INTERVAL,
         ),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         # A built-in loss and a float weight: the compile config needs no

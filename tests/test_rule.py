@@ -897,3 +897,162 @@ def test_shift_tallies_keeps_non_finite_zeros_and_range_ends(run):
     assert shifted[2, 1 + 254] == 1.0  # 2**100 * 2**40 stops at 2**127
     assert shifted[3, 1 + 1] == 1.0  # 2**-100 * 2**-40 stops at 2**-126
     assert shifted[3, 1 + 127 - 64] == 1.0  # 2**-24 * 2**-40 = 2**-64
+
+
+# --------------------------------------------------------------------------
+# choose_scale_from_amax: the per-step rule, against exact arithmetic
+# --------------------------------------------------------------------------
+
+
+def _exact_scale(amax, ceiling, margin, backoff, inherited):
+    """The rule worked out in float64, where every product below is exact
+    (float32 values times powers of two and a small integer backoff): the
+    largest k with amax * backoff * margin * 2**k <= 65504, clipped to
+    [-log2(inherited), log2(ceiling)]."""
+    reach = float(np.float32(amax)) * backoff * margin
+    k = math.floor(math.log2(F16_MAX / reach)) + 1
+    while reach * 2.0**k > F16_MAX:
+        k -= 1
+    k = min(max(k, -int(math.log2(inherited))), int(math.log2(ceiling)))
+    return 2.0**k
+
+
+def test_choose_scale_from_amax_is_exact_at_every_boundary(run):
+    """The quotient 65504 / reach is rounded in float32; the rule checks and
+    halves, so the scale is exact for amaxes whose mantissas sit on either
+    side of each boundary (65504 / 2**j, one ulp up and down), over the
+    float16 range, with back-offs and inherited lifts."""
+    amaxes, rows = [], []
+    for j in range(-12, 30, 3):
+        edge = np.float32(F16_MAX / 2.0**12 / 2.0**j)
+        for value in (
+            np.nextafter(edge, np.float32(0)), edge,
+            np.nextafter(edge, np.float32(np.inf)), edge * np.float32(0.75),
+        ):
+            for backoff, inherited in ((1.0, 1.0), (3.0, 1.0), (1.0, 2.0**6)):
+                amaxes.append(np.float32(value))
+                rows.append((backoff, inherited))
+
+    def fn(amax):
+        return [
+            rule.choose_scale_from_amax(amax[i], 1.0, 2.0**15, 2.0**12, b, t)
+            for i, (b, t) in enumerate(rows)
+        ]
+
+    outputs = run(fn, tf.constant(np.array(amaxes, np.float32)))
+    for amax, (backoff, inherited), out in zip(amaxes, rows, outputs):
+        expected = _exact_scale(amax, 2.0**15, 2.0**12, backoff, inherited)
+        assert_exact(out, expected, what=(float(amax), backoff, inherited))
+
+
+def test_amax_of_pools_gradients_of_any_dtype(run):
+    def fn(a, b):
+        return rule.amax_of([a, b]), rule.amax_of(a)
+
+    both, alone = run(fn, f16([1.0, -3.0, 0.5]), f32([[2.0, -2.5]]))
+    assert_exact(both, 3.0)
+    assert_exact(alone, 3.0)
+
+
+# --------------------------------------------------------------------------
+# the paper's rule, against numpy
+# --------------------------------------------------------------------------
+
+
+def _paper_numpy(g, rate, ceiling, margin, inherited=1.0, current=1.0):
+    """The ALS paper's scale from numpy: the reciprocal of the `rate`
+    quantile (numpy's `method="lower"`) of the nonzero magnitudes, the
+    largest power of two at most that, then capped by safety and the
+    clip; `current` when all are zero or one is not finite."""
+    magnitudes = np.abs(np.asarray(g, np.float64)).ravel()
+    if not np.all(np.isfinite(magnitudes)) or not np.any(magnitudes):
+        return current
+    q = np.percentile(magnitudes[magnitudes > 0], 100 * rate, method="lower")
+    k = math.floor(math.log2(1.0 / q))
+    while 2.0**k > 1.0 / q:
+        k -= 1
+    safe = _exact_scale(magnitudes.max(), 2.0**127, margin, 1.0, 2.0**126)
+    k = min(k, int(math.log2(safe)))
+    return 2.0 ** min(max(k, -int(math.log2(inherited))), int(math.log2(ceiling)))
+
+
+def test_paper_scale_matches_numpy(run):
+    rng = np.random.default_rng(0)
+    log_uniform = np.exp2(rng.uniform(-26, 4, size=1000)) * rng.choice([-1, 1], 1000)
+    sparse = np.where(rng.uniform(size=1000) < 0.7, 0.0, log_uniform)
+    cases = [
+        # (values, dtype, rate, ceiling, margin, inherited)
+        (log_uniform, np.float16, 0.01, 2.0**15, 2.0**12, 1.0),
+        (log_uniform, np.float32, 0.01, 2.0**15, 1.0, 1.0),
+        (sparse, np.float16, 0.01, 2.0**15, 2.0**12, 1.0),
+        (sparse * 2.0**-10, np.float32, 0.05, 2.0**15, 2.0**4, 1.0),
+        (log_uniform * 2.0**8, np.float32, 0.01, 2.0**15, 2.0**12, 2.0**10),
+        (np.arange(1.0, 101.0) * 2.0**-20, np.float32, 0.01, 2.0**10, 2.0**12, 1.0),
+        (np.zeros(16), np.float16, 0.01, 2.0**15, 2.0**12, 1.0),
+        ([1.0, np.inf, 2.0], np.float32, 0.01, 2.0**15, 2.0**12, 1.0),
+    ]
+    tensors = [tf.constant(np.asarray(v, d)) for v, d, *_ in cases]
+
+    def fn(*gs):
+        return [
+            rule.choose_scale_paper(g, 1.0, c, m, r, 1.0, t)
+            for g, (_, _, r, c, m, t) in zip(gs, cases)
+        ]
+
+    outputs = run(fn, *tensors)
+    for i, ((values, dtype, rate, ceiling, margin, inherited), out) in enumerate(
+        zip(cases, outputs)
+    ):
+        stored = np.asarray(values, dtype)  # what the tensor holds
+        expected = _paper_numpy(stored, rate, ceiling, margin, inherited)
+        assert_exact(out, expected, what=i)
+
+
+def test_nonzero_quantile_matches_numpy(run):
+    rng = np.random.default_rng(1)
+    values = np.where(rng.uniform(size=777) < 0.3, 0.0, rng.normal(size=777))
+    rates = (0.0, 0.01, 0.29, 0.5, 0.999)
+
+    def fn(g):
+        return [rule.nonzero_quantile(g, r) for r in rates]
+
+    outputs = run(fn, f32(values))
+    nonzero = np.abs(values[values != 0]).astype(np.float32)
+    for rate, out in zip(rates, outputs):
+        expected = np.percentile(nonzero, 100 * rate, method="lower")
+        assert_exact(out, expected, what=rate)
+
+
+# --------------------------------------------------------------------------
+# telemetry samples
+# --------------------------------------------------------------------------
+
+
+def test_sample_is_small_odd_strided_and_whole_when_small(run):
+    small = np.arange(100, dtype=np.float32)
+    big = np.arange(64 * 1024, dtype=np.float32).reshape(64, 32, 32)
+
+    def fn(a, b):
+        return rule.sample(a), rule.sample(b)
+
+    whole, strided = run(fn, f32(small), f32(big))
+    assert_exact(whole, small)
+    # 65536 elements, at most 4096: stride 16, made odd: 17.
+    assert_exact(strided, np.arange(0, 64 * 1024, 17, dtype=np.float32))
+    # An odd stride visits every residue of a power-of-two channel count.
+    assert len(set((strided % 32).tolist())) == 32
+
+
+def test_telemetry_tally_counts_the_sample_and_keeps_the_exact_amax(run):
+    g = np.zeros(8193, np.float32)
+    g[1] = 5.0  # not on the stride-3 sample
+    g[3] = 2.0**-20
+
+    def fn(x, amax):
+        return rule.telemetry_tally(x, amax)
+
+    tally = run(fn, f32(g), tf.constant(5.0))
+    assert tally[0] == 5.0
+    assert tally[1:].sum() == len(range(0, 8193, 3))  # the sample's size
+    stats, _ = rule.statistics_of_tallies(tally[np.newaxis], 0.0)
+    assert float(stats.percentile[0]) == 2.0**-20

@@ -34,7 +34,7 @@ def _captured_variables(layers, adaptive, jit_compile):
     if adaptive:
         model = tf_als.instrument(model)
         optimizer = tf_als.AdaptiveLossScaleOptimizer(
-            keras.optimizers.Adam(), update_interval=1
+            keras.optimizers.Adam(), telemetry_interval=1
         )
     else:
         optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam())
@@ -92,15 +92,33 @@ def test_a_row_is_written_inside_a_compiled_function():
     @tf.function(jit_compile=True)
     def write(value):
         state.point(0).scale.assign(value)
-        return state.write_measurement(
-            1, tf.fill([state_module.MEASUREMENT_SIZE], value)
-        )
+        state.point(1).last_update.assign(tf.cast(value, tf.int64))
 
     write(tf.constant(2.0))
     np.testing.assert_array_equal(keras.ops.convert_to_numpy(state.scales), [2, 1])
-    measured = keras.ops.convert_to_numpy(state.measured)
-    assert (measured[1] == 2.0).all() and (measured[0] == 0.0).all()
-    assert keras.ops.convert_to_numpy(state.pending).tolist() == [0, 1]
+    assert keras.ops.convert_to_numpy(state.last_updates).tolist() == [-1, 2]
+
+
+def test_a_0_2_file_loads_without_its_measurement_rows():
+    """0.2 saved seven variables (with `measured` and `pending`, since
+    removed, and no `backoff`): such a store loads the rows it shares, and
+    the back-off starts at 1."""
+    state = state_module.ScalingState(["a", "b"])
+    old = {
+        "0": np.array([4.0, 0.5], np.float32),
+        "1": np.full([2, len(state_module.RECORD_FIELDS)], 3.0, np.float32),
+        "2": np.full([2, 40], 0.25, np.float32),
+        "3": np.array([7, 7], np.int64),
+        "4": np.zeros([2, 258], np.float32),
+        "5": np.zeros([2], np.int64),
+        "6": np.array(0, np.int64),
+    }
+    state.load_own_variables(old)
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(state.scales), [4, 0.5])
+    assert keras.ops.convert_to_numpy(state.last_updates).tolist() == [7, 7]
+    assert int(keras.ops.convert_to_numpy(state.due)) == 0
+    assert float(keras.ops.convert_to_numpy(state.backoff)) == 1.0
+    assert float(keras.ops.convert_to_numpy(state.records)[1, 2]) == 3.0
 
 
 def test_point_names_must_be_strings():

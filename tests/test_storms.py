@@ -114,7 +114,7 @@ def assert_bitwise_equal(before, after):
     "cause", ["nan_input", "inf_input", "nan_label", "overflowing_loss", "one_layer"]
 )
 def test_bad_batch_is_skipped_and_training_recovers(cause):
-    model, plain, optimizer = build(update_interval=1)
+    model, plain, optimizer = build(telemetry_interval=1)
     model.compile(optimizer, "mse", jit_compile=False)
     x, y = batch()
     for _ in range(3):
@@ -125,7 +125,7 @@ def test_bad_batch_is_skipped_and_training_recovers(cause):
 
     model.train_on_batch(bad_x, bad_y)
 
-    # Everything bitwise unchanged; update_interval=1 makes the bad step an
+    # Everything bitwise unchanged; telemetry_interval=1 makes the bad step an
     # update step, so the per-layer scales were re-chosen and must be kept.
     assert_bitwise_equal(before, snapshot(model, plain, optimizer))
     arm(plain, False)

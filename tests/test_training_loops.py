@@ -50,7 +50,7 @@ def _optimizer(variant, **kwargs):
     if variant == "keras":
         return keras.optimizers.LossScaleOptimizer(inner, initial_scale=INITIAL_SCALE)
     return tf_als.AdaptiveLossScaleOptimizer(
-        inner, initial_scale=INITIAL_SCALE, update_interval=2
+        inner, initial_scale=INITIAL_SCALE, telemetry_interval=2
     )
 
 
@@ -324,11 +324,17 @@ def test_steps_per_execution_trains_as_one_step_at_a_time(mixed):
     assert list(tf_als.scales(models[1]).values()) == list(tf_als.scales(models[4]).values())
 
 
-def test_gradient_accumulation_measures_on_the_applying_steps_only(mixed):
+def test_gradient_accumulation_records_and_updates_on_the_applying_steps_only(mixed):
+    """Four micro-batches per applied step (batches 3 and 7 apply, as
+    applied steps 0 and 1). The telemetry is recorded on those batches
+    only; under the paper's rule (`update_interval=1`), the backward pass
+    of each applying batch updates the scales (`due` is 1 after the batch
+    before it), and they change at those batches only."""
     x, y = _regression()
     model = _plain_model()
     optimizer = tf_als.AdaptiveLossScaleOptimizer(
-        keras.optimizers.Adam(1e-3, gradient_accumulation_steps=4), update_interval=1
+        keras.optimizers.Adam(1e-3, gradient_accumulation_steps=4),
+        rule="paper", update_interval=1, telemetry_interval=1,
     )
     model.compile(optimizer=optimizer, loss=lambda t, p: tf.reduce_mean((t - p) ** 2) * 2.0**-14, jit_compile=False)
     seen = []
@@ -340,8 +346,6 @@ def test_gradient_accumulation_measures_on_the_applying_steps_only(mixed):
                          np.asarray(state.last_updates).tolist()))
 
     model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[Watch()])
-    # Batches 3 and 7 apply (applied steps 0 and 1); the backward pass of
-    # each measures, so `due` is 1 after the batch before it.
     assert [due for due, _, _ in seen] == [0, 0, 1, 0, 0, 0, 1, 0]
     assert [updates[0] for _, _, updates in seen] == [-1, -1, -1, 0, 0, 0, 0, 1]
     # The scales change only at the applying batches: the small loss makes
@@ -349,3 +353,5 @@ def test_gradient_accumulation_measures_on_the_applying_steps_only(mixed):
     scales = [s for _, s, _ in seen]
     assert scales[0] == scales[1] == scales[2] == [1.0, 1.0, 1.0]
     assert scales[3] == scales[4] == scales[5] == scales[6] != scales[2]
+
+

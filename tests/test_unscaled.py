@@ -73,9 +73,9 @@ def _keras(model, inner):
 
 
 def _tf_als(model, inner):
-    # update_interval=1: the per-layer scales chosen at step 0 serve at
+    # telemetry_interval=1: the per-layer scales chosen at step 0 serve at
     # steps 1 and 2, so the folded factors are not all 1/S.
-    optimizer = tf_als.AdaptiveLossScaleOptimizer(inner, update_interval=1)
+    optimizer = tf_als.AdaptiveLossScaleOptimizer(inner, telemetry_interval=1)
     return tf_als.instrument(model), optimizer
 
 

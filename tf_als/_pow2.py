@@ -11,6 +11,7 @@ import tensorflow as tf
 
 _MANTISSA_BITS = 23
 _EXPONENT_BIAS = 127
+_EXPONENT_MASK = 0x7F800000
 # float32 normal exponents: 2**-126 .. 2**127.
 MIN_EXPONENT = -126
 MAX_EXPONENT = 127
@@ -27,6 +28,18 @@ def floor_log2(x):
     """
     bits = tf.bitcast(tf.cast(x, tf.float32), tf.int32)
     return tf.bitwise.right_shift(bits, _MANTISSA_BITS) - _EXPONENT_BIAS
+
+
+def floor_pow2(x):
+    """The largest power of two <= `x` (float32), for positive normal
+    float32 `x`: its bit pattern with the mantissa cleared. inf stays inf;
+    zero and subnormals give 0.
+
+    >>> floor_pow2(tf.constant([1.0, 0.75, 65504.0, 3.0])).numpy()
+    array([1.0000e+00, 5.0000e-01, 3.2768e+04, 2.0000e+00], dtype=float32)
+    """
+    bits = tf.bitcast(tf.cast(x, tf.float32), tf.int32)
+    return tf.bitcast(tf.bitwise.bitwise_and(bits, _EXPONENT_MASK), tf.float32)
 
 
 def pow2(exponent):

@@ -13,12 +13,15 @@ whichever calls it came from; the optimizer then divides by S, in the
 same multiply where a variable's whole gradient is one call's product
 (`tf_als.unscaled`).
 
-The per-layer scales are read from the model's `tf_als.state.ScalingState`;
-the backward pass never chooses them, and it needs nothing from an
-optimizer. When the state says a measurement is due (`tf_als.schedule`),
-it measures each point's incoming gradient into its row of that state, and
-the `apply` of the optimizer that applies the model's gradients chooses the
-scales of the following steps from those measurements (`tf_als.update`).
+Each point chooses its scale inside its gradient function, from the
+gradient it is about to scale (`tf_als.rule.choose_scale_from_amax`, with
+the knobs of the model's `tf_als.config.ScalingConfig` and the global
+scale's back-off from its state): one max-reduction and a few scalar ops
+per point, no branch, and no variable written. What it chose and a sample
+of what it saw go to the model's `tf_als.pass_record.PassRecord`, which the
+optimizer that applies the gradients writes into the state. Under the
+paper's rule (`rule="paper"`) a point re-chooses only when the state says
+an update is due, and otherwise applies the scale in the state.
 
 Each point's own backward runs on a persistent tape kept from the forward
 pass, so the gradient function can run twice: once for a gradient the
@@ -31,7 +34,9 @@ from keras import tree
 
 from tf_als import _keras
 from tf_als import algebra
+from tf_als import config as config_module
 from tf_als import hooks
+from tf_als import pass_record
 from tf_als import rule
 
 
@@ -45,12 +50,25 @@ class Backward:
             records the weight gradients this pass unscales (an optimizer
             applying them divides them by S in the same multiply).
         inner: `(index, tf_als.composite.Inner)` of each inner point.
+        config: the `tf_als.config.ScalingConfig` the points choose with.
+        record: the model's `tf_als.pass_record.PassRecord`, where each
+            point leaves its choice.
+        synchronized: indices of the points whose own backward sums
+            gradients across replicas (synchronized BatchNormalization):
+            with several replicas their gradients must carry the same scale
+            on every replica, so they take T_in = 1 there.
     """
 
-    def __init__(self, plan, state, unscaled, inner=()):
+    def __init__(
+        self, plan, state, unscaled, inner=(), config=None, record=None,
+        synchronized=frozenset(),
+    ):
         self.plan = plan
         self.state = state
         self.unscaled = unscaled
+        self.config = config_module.ScalingConfig() if config is None else config
+        self.record = pass_record.PassRecord() if record is None else record
+        self.synchronized = frozenset(synchronized)
         self.scales = algebra.Scales(plan)
         # (enclosing point, id(layer)) -> inner point index, and each inner
         # point's enclosing point (see `tf_als.composite`).
@@ -149,8 +167,8 @@ class Backward:
         """Calls `function(*args, **kwargs)` (the layer) as a scaling point.
 
         Forward: the layer's outputs, untouched. Backward: the output
-        gradients are aligned to T_out (and measured on update steps), the
-        gradients are multiplied by s_n, the layer's own backward
+        gradients are aligned to T_out, s_n is chosen from them, they
+        are multiplied by s_n, the layer's own backward
         runs, and its weight gradients are divided by T_in = s_n * T_out in
         float32.
 
@@ -188,7 +206,7 @@ class Backward:
 
         Forward: the layer's outputs, untouched. Backward: the output
         gradients carry the scale T of the enclosing point's interior; they
-        are multiplied by s_n (measured on update steps), the layer's own
+        are multiplied by s_n (chosen from them), the layer's own
         backward runs, its weight gradients are divided by s_n * T in
         float32 and its input gradients by s_n (exact: a power of two, in
         float32), so every contribution inside the enclosing call carries
@@ -304,37 +322,50 @@ class Backward:
         return grads[: len(xs)], variable_grads
 
     def _scale(self, point, upstream, scale_out):
-        """The point's scale s_n, read from its state. On update steps the
-        incoming gradient is measured first, into the state. A layer called
-        several times inside one enclosing call is one inner point: the
-        first of its calls to run backwards measures."""
+        """The point's scale s_n, chosen from `upstream`, the gradients it
+        is about to scale (which carry `scale_out`), and recorded. A layer
+        called several times inside one enclosing call is one inner point:
+        the first of its calls to run backwards chooses."""
         if point in self._used:
             return self._used[point]
-        done = self._measure(point, upstream, scale_out)
-        with tf.control_dependencies([done]):
-            scale = tf.gather(tf.convert_to_tensor(self.state.scales), point)
+        config = self.config
+        scale_out = tf.cast(scale_out, tf.float32)
+        backoff = tf.convert_to_tensor(self.state.backoff)
+        amax = rule.amax_of(upstream)
+        if point in self.synchronized and _replicas_in_sync() > 1:
+            # Every replica chooses its own scales, so T_out differs between
+            # them; a layer that sums its gradients across replicas inside
+            # its own backward must see the same scale everywhere: T_in = 1,
+            # the global scale alone, as Keras's (docs/distributed.md).
+            scale = tf.math.reciprocal(scale_out)
+        elif config.rule == "paper":
+            current = tf.gather(tf.convert_to_tensor(self.state.scales), point)
+
+            def update():
+                return rule.choose_scale_paper(
+                    upstream, current, config.max_layer_scale,
+                    config.overflow_margin, config.underflow_rate, backoff,
+                    scale_out,
+                )
+
+            due = tf.convert_to_tensor(self.state.due) > 0
+            scale = tf.cond(due, update, lambda: current)
+        else:
+            scale = rule.choose_scale_from_amax(
+                amax, 1.0, config.max_layer_scale, config.overflow_margin,
+                backoff, scale_out,
+            )
+        samples = tuple(rule.sample(dy) for dy in upstream)
+        self.record.put(
+            point, pass_record.PointRecord(scale, scale_out, amax, samples)
+        )
         self._used[point] = scale
         return scale
 
-    def _measure(self, point, upstream, scale_out):
-        """When a measurement is due (the state's `due`), writes
-        `[scale_out, tally(upstream)]` into the point's row of the state;
-        returns the branch's flag. A tally is a few elementwise ops and one
-        segment sum (`rule.tally`); the statistics are derived from it once
-        per update, for all points at once (`tf_als.update`), so between
-        updates the untaken branch costs a few skipped ops."""
 
-        def measure():
-            vector = tf.concat(
-                [tf.reshape(tf.cast(scale_out, tf.float32), [1]), rule.tally(upstream)],
-                0,
-            )
-            writes = self.state.write_measurement(point, vector)
-            with tf.control_dependencies(writes):
-                return tf.constant(True)
-
-        due = tf.convert_to_tensor(self.state.due) > 0
-        return tf.cond(due, measure, lambda: tf.constant(False))
+def _replicas_in_sync() -> int:
+    context = tf.distribute.get_replica_context()
+    return 1 if context is None else context.num_replicas_in_sync
 
 
 def _substitute(args, kwargs, flat, positions, xs):

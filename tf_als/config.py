@@ -1,15 +1,19 @@
 """The per-layer scaling knobs, checked once and frozen.
 
 `AdaptiveLossScaleOptimizer` builds a `ScalingConfig` from its arguments and
-hands it to the scale update (`tf_als.update`) and the measuring schedule
-(`tf_als.schedule`); neither reads the optimizer's attributes.
+hands it to the instrumented models it trains (their backward passes choose
+the scales from it) and to the telemetry schedule (`tf_als.schedule`);
+neither reads the optimizer's attributes.
 """
 
 import dataclasses
 import math
 import numbers
 
-from tf_als import rule
+from tf_als.rule import FLOAT16_MAX_EXPONENT
+
+# The rules that choose a point's scale (see `ScalingConfig.rule`).
+RULES = ("amax", "paper")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,7 +22,14 @@ class ScalingConfig:
     `tf_als.AdaptiveLossScaleOptimizer` for each knob's meaning).
 
     Attributes:
-        update_interval: int >= 1, steps between scale updates.
+        rule: `"amax"` (the default: every step, each point's scale is
+            chosen from the amax of the gradient it is applied to) or
+            `"paper"` (the ALS paper's: every `update_interval` steps, the
+            reciprocal of the `underflow_rate` quantile, capped by safety).
+        update_interval: int >= 1, steps between the `"paper"` rule's scale
+            updates.
+        telemetry_interval: int >= 1, steps between telemetry records (the
+            statistics `ScaleHistory`, TensorBoard and `diagnose` read).
         underflow_rate: float in [0, 1), the quantile of nonzero gradient
             magnitudes each point records.
         max_layer_scale: power of two in [1, 2**15], the ceiling of every
@@ -28,21 +39,31 @@ class ScalingConfig:
 
     Example:
 
-    >>> ScalingConfig(update_interval=10).max_layer_scale
+    >>> ScalingConfig(telemetry_interval=10).max_layer_scale
     32768.0
+    >>> ScalingConfig(rule="quantile")
+    Traceback (most recent call last):
+    ...
+    ValueError: `rule` must be one of 'amax', 'paper'; received 'quantile'.
     >>> ScalingConfig(overflow_margin=3)
     Traceback (most recent call last):
     ...
     ValueError: `overflow_margin` must be a power of two from 1 to 2**15 = 32768 (powers of two keep every rescale exact, and float16 must hold the scale); received 3.
     """
 
+    rule: str = "amax"
     update_interval: int = 100
+    telemetry_interval: int = 100
     underflow_rate: float = 0.01
     max_layer_scale: float = 2.0**15
     overflow_margin: float = 2.0**12
 
     def __post_init__(self):
+        if self.rule not in RULES:
+            allowed = ", ".join(repr(r) for r in RULES)
+            raise ValueError(f"`rule` must be one of {allowed}; received {self.rule!r}.")
         check_int("update_interval", self.update_interval)
+        check_int("telemetry_interval", self.telemetry_interval)
         if (
             isinstance(self.underflow_rate, bool)
             or not isinstance(self.underflow_rate, numbers.Real)
@@ -55,7 +76,8 @@ class ScalingConfig:
         _check_power_of_two("max_layer_scale", self.max_layer_scale)
         _check_power_of_two("overflow_margin", self.overflow_margin)
         # Normalised types: ints and numpy scalars are accepted above.
-        object.__setattr__(self, "update_interval", int(self.update_interval))
+        for name in ("update_interval", "telemetry_interval"):
+            object.__setattr__(self, name, int(getattr(self, name)))
         for name in ("underflow_rate", "max_layer_scale", "overflow_margin"):
             object.__setattr__(self, name, float(getattr(self, name)))
 
@@ -68,7 +90,7 @@ def check_int(name, value, none_allowed=False):
 
 
 def _check_power_of_two(name, value):
-    limit = 2**rule.FLOAT16_MAX_EXPONENT
+    limit = 2**FLOAT16_MAX_EXPONENT
     if (
         isinstance(value, bool)
         or not isinstance(value, numbers.Real)
@@ -80,3 +102,12 @@ def _check_power_of_two(name, value):
             "(powers of two keep every rescale exact, and float16 must hold "
             f"the scale); received {value!r}."
         )
+
+
+def backward_fields(config: ScalingConfig) -> tuple:
+    """The fields a backward pass is built from (the others only drive the
+    optimizer's schedule)."""
+    fields = (config.rule, config.max_layer_scale, config.overflow_margin)
+    if config.rule == "paper":
+        fields += (config.underflow_rate,)
+    return fields

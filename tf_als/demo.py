@@ -177,7 +177,7 @@ def _scaling(run, model, args, log_root):
     if run == "keras":
         return model, keras.optimizers.LossScaleOptimizer(inner), None
     model = tf_als.instrument(model)
-    optimizer = tf_als.AdaptiveLossScaleOptimizer(inner, update_interval=args.update_interval)
+    optimizer = tf_als.AdaptiveLossScaleOptimizer(inner, telemetry_interval=args.telemetry_interval)
     history = tf_als.callbacks.ScaleHistory(log_dir=os.path.join(log_root, run))
     return model, optimizer, history
 
@@ -261,8 +261,8 @@ def parse_args(argv=None):
                         help="batch size (default 64)")
     parser.add_argument("--learning-rate", type=float, default=1e-3,
                         help="Adam learning rate (default 1e-3)")
-    parser.add_argument("--update-interval", type=int, default=100,
-                        help="tf_als scale update interval in steps (default 100)")
+    parser.add_argument("--telemetry-interval", type=int, default=100,
+                        help="steps between tf_als telemetry records (default 100)")
     parser.add_argument("--output-dir", default="tf_als_runs",
                         help="where logs, plot and results go (default ./tf_als_runs)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
@@ -272,7 +272,7 @@ def parse_args(argv=None):
                         help="Keras fit verbosity: 0 silent, 1 progress bars "
                         "(default), 2 one line per epoch")
     args = parser.parse_args(argv)
-    for name in ("epochs", "batch_size", "update_interval"):
+    for name in ("epochs", "batch_size", "telemetry_interval"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
     if not args.learning_rate > 0:

@@ -14,11 +14,13 @@ from keras import tree
 from tf_als import _keras
 from tf_als import backward
 from tf_als import composite
+from tf_als import config as config_module
 from tf_als import graph
 from tf_als import hooks
 from tf_als import optimizer as optimizer_module
 from tf_als import owners
 from tf_als import own_steps
+from tf_als import pass_record
 from tf_als import promote
 from tf_als import state
 from tf_als import storm
@@ -229,6 +231,11 @@ class InstrumentedModel(keras.Model):
         # The weight gradients its backward passes unscale, for the
         # optimizer that divides them by S (`tf_als.unscaled`).
         self.unscaled_gradients = unscaled.UnscaledGradients()
+        # What its backward passes chose, for the optimizer to write.
+        self.pass_record = pass_record.PassRecord()
+        # The knobs its points choose with: the optimizer's, once compiled.
+        self.scaling_config = config_module.ScalingConfig()
+        self._synchronized = _synchronized_points(self.point_layers)
         # The AdaptiveLossScaleOptimizers that applied its gradients.
         self._trainers = weakref.WeakKeyDictionary()
         owners.register(self)
@@ -343,7 +350,13 @@ class InstrumentedModel(keras.Model):
 
     def call(self, inputs, training=None, mask=None):
         back = backward.Backward(
-            self._plan, self.scaling_state, self.unscaled_gradients, self._inner
+            self._plan,
+            self.scaling_state,
+            self.unscaled_gradients,
+            self._inner,
+            config=self.scaling_config,
+            record=self.pass_record,
+            synchronized=self._synchronized,
         )
         if graph.is_subclassed(self.model):
             # The model is point 0, opened: Keras's own `__call__` runs it
@@ -358,8 +371,17 @@ class InstrumentedModel(keras.Model):
         if own is not None:
             # The model's own compile (a GAN's takes two optimizers); its
             # super().compile() is Keras's.
-            return own(*args, **kwargs)
+            result = own(*args, **kwargs)
+            self._meet(getattr(self, "optimizer", None))
+            return result
         return self._compile(*args, **kwargs)
+
+    def _meet(self, optimizer):
+        """Takes `optimizer`'s knobs, if it is an
+        `AdaptiveLossScaleOptimizer`, for the backward passes traced from
+        now on."""
+        if isinstance(optimizer, optimizer_module.AdaptiveLossScaleOptimizer):
+            self.scaling_config = optimizer.scaling_config
 
     def _compile(self, optimizer="rmsprop", *args, **kwargs):
         if optimizer is not None and not isinstance(
@@ -373,6 +395,7 @@ class InstrumentedModel(keras.Model):
                 "keras.optimizers.Adam())`."
             )
         super().compile(optimizer, *args, **kwargs)
+        self._meet(optimizer)
 
     def fit(self, *args, **kwargs):
         """`keras.Model.fit`, plus a `tf_als.callbacks.NonFiniteGuard` (unless
@@ -522,6 +545,16 @@ def _training_batches(x, y, sample_weight, batch_size):
 
     return lambda: (
         (cut(x, i), cut(y, i), cut(sample_weight, i)) for i in range(0, size, step)
+    )
+
+
+def _synchronized_points(layers) -> frozenset:
+    """Indices of the points whose layer sums its gradients across
+    replicas in its own backward (synchronized BatchNormalization; see
+    `tf_als.backward.Backward`)."""
+    return frozenset(
+        i for i, layer in enumerate(layers)
+        if getattr(layer, "synchronized", False) is True
     )
 
 

@@ -22,6 +22,7 @@ from tf_als import storm
 from tf_als import update
 
 DEFAULT_MAX_CONSECUTIVE_SKIPS = 32
+DEFAULT_INTERVAL = 100
 
 
 @keras.saving.register_keras_serializable(package="tf_als")
@@ -35,28 +36,36 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     instrumented it behaves exactly like its parent.
 
     On a model returned by `tf_als.instrument`, every call of a layer with
-    weights also has its own scale s_n, applied to the gradient that reaches
-    it. Every `update_interval` steps, while gradients flow, each point
-    measures its incoming gradient g; then `apply` picks, for the steps
-    that follow,
+    weights also has its own scale s_n, applied to the gradient g that
+    reaches it. On every step, inside the backward pass, each point picks
+    it from that very gradient:
 
-        amax  = max |g|  (as it will arrive under the new downstream scales)
-        s_n   = 2 ** clip(largest k with amax * 2**k * overflow_margin
-                          <= float16 max, -log2(T_out), log2(max_layer_scale))
+        amax  = max |g|
+        s_n   = 2 ** clip(largest k with amax * backoff * 2**k *
+                          overflow_margin <= float16 max,
+                          -log2(T_out), log2(max_layer_scale))
 
-    (kept when g is all zero or not finite), where T_out is the lift the
-    gradient already carries from the points downstream: a point whose
+    (1 when g is all zero or not finite), where T_out is the lift the
+    gradient already carries from the points downstream (a point whose
     incoming gradient has no headroom left gives that lift back, down to
-    Keras's global scale alone, and no further. It also records the
-    `underflow_rate` percentile q of the nonzero |g| (rounded down to a
-    power of two, from counts per binary exponent: no sort), so callbacks
-    can report layers whose q the scale could not lift. Under
-    `tf.distribute`, replicas exchange their measurements once per update,
-    in one all-gather; on every step they also sum one scalar so that they
+    Keras's global scale alone, and no further), and backoff = max(1,
+    initial_scale / S), so that a backed-off global scale lowers every
+    gradient. One max-reduction per point, no branch. Every
+    `telemetry_interval` steps, `apply` also records each point's
+    statistics (the `underflow_rate` percentile of the nonzero |g|,
+    fractions of zero, subnormal and near-maximum elements, a log2
+    histogram), estimated from a sample of g, for `ScaleHistory`,
+    TensorBoard and `tf_als.diagnose`; they are reported, never decided
+    on. With `rule="paper"`, the points instead take the ALS paper's
+    scale, the reciprocal of that percentile (capped as above), every
+    `update_interval` steps, and keep it in between. Under
+    `tf.distribute`, every replica chooses from its own gradients (its
+    weight gradients are unscaled before Keras sums them, so they need not
+    agree); on every step the replicas also sum one scalar so that they
     skip non-finite steps together (Keras alone decides from the first
-    replica's gradients). Weight gradients are
-    unscaled per call, in float32, so the inner optimizer only ever
-    receives true float32 gradients.
+    replica's gradients). Weight gradients are unscaled per call, in
+    float32, so the inner optimizer only ever receives true float32
+    gradients.
 
     Args:
         inner_optimizer: `keras.optimizers.Optimizer`, the optimizer that
@@ -65,17 +74,19 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         initial_scale: float, default 2**15. Initial global loss scale S.
         dynamic_growth_steps: int, default 2000. S doubles after this many
             consecutive finite steps.
-        update_interval: int >= 1, default 100. Per-layer scales are
-            re-chosen on steps where `iterations % update_interval == 0`
-            (the first step included), from that step's gradients, and
-            serve from the next step on; in between they are constants and
-            no statistics are computed. With `gradient_accumulation_steps`
-            on the inner optimizer, `iterations` counts applied steps: the
-            points measure on the micro-batch that applies, and the scales
-            change only between applies (`tf_als.schedule`).
+        update_interval: int >= 1, default 100. With `rule="paper"`, the
+            steps between scale updates (the points re-choose on steps where
+            `iterations % update_interval == 0`, the first included, and
+            keep the scale in between). The default rule chooses on every
+            step; there, a value other than 100 without
+            `telemetry_interval` is read as the telemetry interval (what
+            it also set until 0.3), with a `DeprecationWarning`. With
+            `gradient_accumulation_steps` on the inner optimizer,
+            `iterations` counts applied steps (`tf_als.schedule`).
         underflow_rate: float in [0, 1), default 0.01. The quantile of the
             nonzero gradient magnitudes that each point records and checks
-            against float16's smallest normal (the paper's 1% underflow).
+            against float16's smallest normal (the paper's 1% underflow),
+            and from which `rule="paper"` chooses.
         max_layer_scale: float, power of two in [1, 2**15], default 2**15.
             Ceiling of each per-layer scale.
         overflow_margin: float, power of two in [1, 2**15], default 2**12.
@@ -109,6 +120,12 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             raise the storm error and frequent ones warn once. A run that
             never skips that often is unchanged; with
             `max_consecutive_skips=None` it never acts.
+        rule: `"amax"` (default) or `"paper"`, how the points choose their
+            scales (see above; `tf_als.config.ScalingConfig`). The paper's
+            percentile sorts each point's gradient (`tfp.stats.percentile`)
+            on its update steps.
+        telemetry_interval: int >= 1, default 100 (see `update_interval`
+            for old configs). Steps between telemetry records.
         name: str, optional name.
 
     Example:
@@ -138,12 +155,14 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         inner_optimizer: keras.optimizers.Optimizer,
         initial_scale: float = 2.0**15,
         dynamic_growth_steps: int = 2000,
-        update_interval: int = 100,
+        update_interval: int = DEFAULT_INTERVAL,
         underflow_rate: float = 0.01,
         max_layer_scale: float = 2.0**15,
         overflow_margin: float = 2.0**12,
         max_consecutive_skips: int | None = DEFAULT_MAX_CONSECUTIVE_SKIPS,
         promote_on_storm: bool = True,
+        rule: str = "amax",
+        telemetry_interval: int | None = None,
         name: str | None = None,
         **kwargs,
     ):
@@ -151,7 +170,13 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         _check_inner(inner_optimizer)
         _check_positive_number("initial_scale", initial_scale)
         config_module.check_int("dynamic_growth_steps", dynamic_growth_steps)
+        config_module.check_int("update_interval", update_interval)
+        telemetry_interval = _telemetry_interval(
+            rule, update_interval, telemetry_interval
+        )
         scaling_config = config_module.ScalingConfig(
+            rule=rule,
+            telemetry_interval=telemetry_interval,
             update_interval=update_interval,
             underflow_rate=underflow_rate,
             max_layer_scale=max_layer_scale,
@@ -220,9 +245,13 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._warn_if_plain(models)
         for model in models:
             model.note_trainer(self)
-            # Before Keras's apply: the step counter and global scale are
-            # still those the backward pass ran with.
-            self._update_scales(model)
+            self._check_config(model)
+        # Before Keras's apply: the step the gradients are applied at, and
+        # whether it records telemetry and (paper rule) updates the scales.
+        step, telemetry_due = self._step(), self._due(self.telemetry_interval) > 0
+        updates = tf.constant(True)
+        if self.rule == "paper":
+            updates = self._due(self.update_interval) > 0
         own = self._divide_by_scale(list(grads), variables, models)
         # One finiteness pass per gradient, shared by the agreement between
         # replicas, Keras's check (`check_finite`) and the first-skip record.
@@ -234,6 +263,8 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             self._checked = None
         self._record_first_skip(flags)  # This replica's own, unpoisoned.
         for model in models:
+            keep = tf.logical_and(_all_true(flags), updates)
+            update.write_pass(model, step, keep, telemetry_due, self.scaling_config)
             self._schedule(model)
         if tf.executing_eagerly() and not self._loop_checks:
             self.check_skips()
@@ -270,6 +301,14 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return self.scaling_config.update_interval
 
     @property
+    def rule(self) -> str:
+        return self.scaling_config.rule
+
+    @property
+    def telemetry_interval(self) -> int:
+        return self.scaling_config.telemetry_interval
+
+    @property
     def underflow_rate(self) -> float:
         return self.scaling_config.underflow_rate
 
@@ -287,67 +326,38 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def _accumulation(self) -> int:
         return int(self.inner_optimizer.gradient_accumulation_steps or 1)
 
-    def _due_now(self, model):
-        """Whether this `apply` updates `model`'s scales: the model's
-        backward pass measured (its state's `due`), and this call applies
-        (the last of an accumulation group)."""
-        measured = tf.convert_to_tensor(model.scaling_state.due) > 0
+    def _due(self, interval):
+        """1 (int64) when the `apply` call being made is due for `interval`
+        (`tf_als.schedule`)."""
         calls = _keras.apply_calls(self.inner_optimizer)
-        applying = schedule.applies(calls, self._accumulation())
-        return tf.logical_and(measured, applying)
+        return schedule.due_at(calls, self._accumulation(), interval)
 
     def _schedule(self, model):
-        """After Keras's apply: whether `model`'s next backward pass
-        measures, from the count of `apply` calls now (a skipped step did
-        not advance it, so its retry measures again)."""
-        calls = _keras.apply_calls(self.inner_optimizer)
-        model.scaling_state.due.assign(
-            schedule.due_at(calls, self._accumulation(), self.update_interval)
-        )
+        """After Keras's apply, what `model`'s next backward pass needs from
+        this optimizer: the global scale's back-off, and (paper rule)
+        whether it updates the scales, from the count of `apply` calls now
+        (a skipped step did not advance it, so its retry updates again)."""
+        model.scaling_state.backoff.assign(self._backoff())
+        if self.rule == "paper":
+            model.scaling_state.due.assign(self._due(self.update_interval))
 
-    def _update_scales(self, model):
-        """On update steps, chooses every point's scale of `model` for the
-        following steps from what the backward pass measured
-        (`tf_als.update`).
-
-        With several replicas, the points exchange their measurements in
-        one all-gather, inside the update branch, so the measurements are
-        not exchanged between updates. A replica-context collective is a `merge_call`
-        under Mirrored and MultiWorkerMirrored strategies (unless XLA
-        compiles for GPUs only), and a `merge_call` cannot be traced inside
-        a `tf.cond` branch; so, as Keras's `LossScaleOptimizer` does for its
-        own conditional apply, the branch is taken in the cross-replica
-        context and runs the update on each replica from there.
-        """
-
-        def run():
-            return update.update_scales(
-                model, self._step(), self._backoff(), self.scaling_config
-            )
-
-        def due():
-            return self._due_now(model)
-
-        def idle():
-            return tf.constant(False)
-
-        context = tf.distribute.get_replica_context()
-        if (
-            context is None
-            or context.num_replicas_in_sync == 1
-            or tf.__internal__.distribute.strategy_supports_no_merge_call()
-        ):
-            tf.cond(due(), run, idle)
+    def _check_config(self, model):
+        """Raises when `model`'s backward pass chooses its scales with other
+        knobs than this optimizer's (it was traced, or ran, before they
+        met: a custom loop whose model was not compiled with it)."""
+        mine = config_module.backward_fields(self.scaling_config)
+        theirs = config_module.backward_fields(model.scaling_config)
+        if mine == theirs:
             return
-
-        def cross_replica(strategy):
-            def run_on_each_replica():
-                strategy.extended.call_for_each_replica(run)
-                return tf.constant(True)
-
-            tf.cond(due(), run_on_each_replica, idle)
-
-        context.merge_call(cross_replica)
+        raise ValueError(
+            f"AdaptiveLossScaleOptimizer {self.name!r} applies gradients of "
+            f"model {model.name!r}, whose backward pass chose its scales "
+            f"with {_knobs(model.scaling_config)}, not this optimizer's "
+            f"{_knobs(self.scaling_config)}: the pass is built before the "
+            "optimizer applies it. Compile the model with the optimizer "
+            "before its first step: `model.compile(optimizer=optimizer)` "
+            "(in a custom loop too)."
+        )
 
     def _backoff(self):
         """max(1, initial global scale / current global scale)."""
@@ -599,6 +609,8 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def get_config(self):
         config = super().get_config()
         config.update(
+            rule=self.rule,
+            telemetry_interval=self.telemetry_interval,
             update_interval=self.update_interval,
             underflow_rate=self.underflow_rate,
             max_layer_scale=self.max_layer_scale,
@@ -623,6 +635,35 @@ _PARENT_KEYWORDS = (
     "loss_scale_factor",
     "gradient_accumulation_steps",
 )
+
+
+def _telemetry_interval(rule, update_interval, telemetry_interval):
+    """The telemetry interval to use. Until 0.3, `update_interval` also set
+    how often the statistics were recorded; a config that sets it without
+    `telemetry_interval` (an old one, or old code) keeps that cadence for
+    the telemetry, with a warning when the default rule makes it moot."""
+    if telemetry_interval is not None:
+        return telemetry_interval
+    if update_interval != DEFAULT_INTERVAL and rule == "amax":
+        warnings.warn(
+            f"`update_interval={update_interval!r}`: since tf_als 0.3 the "
+            "per-layer scales follow the gradient on every step, and "
+            "`update_interval` only sets how often the paper's rule "
+            "(`rule='paper'`) updates them. It now sets "
+            "`telemetry_interval`, how often the statistics are recorded; "
+            "pass `telemetry_interval` instead.",
+            DeprecationWarning,
+            stacklevel=4,
+        )
+        return update_interval
+    return DEFAULT_INTERVAL
+
+
+def _knobs(config) -> str:
+    fields = ("rule", "max_layer_scale", "overflow_margin")
+    if config.rule == "paper":
+        fields += ("underflow_rate",)
+    return ", ".join(f"{f}={getattr(config, f)!r}" for f in fields)
 
 
 def _check_keywords(kwargs):

@@ -20,6 +20,7 @@ from tf_als import _keras
 from tf_als import composite
 from tf_als import forward
 from tf_als import locate
+from tf_als import update
 from tf_als.instrument import InstrumentedModel
 from tf_als.optimizer import AdaptiveLossScaleOptimizer
 
@@ -197,7 +198,6 @@ def _compare(source, variables, x, y, loss_fn, training, expected, loss32, verbo
         optimizer = AdaptiveLossScaleOptimizer(
             keras.optimizers.SGD(0.0),
             initial_scale=scale,
-            update_interval=1,
             max_layer_scale=max_layer_scale,
         )
         grads, value = _gradients(
@@ -256,10 +256,14 @@ def _computes_in_float16(layers):
 
 def _gradients(model, variables, x, y, loss_fn, training, scale=1.0, optimizer=None):
     """(the scaled gradients of one batch divided by `scale`, the loss),
-    with `optimizer`, on the per-layer scales it chooses from a first pass;
+    with `optimizer`'s per-layer scales, which the points choose from the
+    very gradients they scale (the pass's choices and statistics are
+    written into the model's state, as `apply` would write them);
     computed in a `tf.function` as `fit` computes them (on some CPUs
     TensorFlow's graph kernels round float16 differently from its eager
     ones). A variable the loss does not reach has None."""
+    if optimizer is not None:
+        model.scaling_config = optimizer.scaling_config
 
     @tf.function
     def compute(x, y):
@@ -274,16 +278,15 @@ def _gradients(model, variables, x, y, loss_fn, training, scale=1.0, optimizer=N
             else:
                 scaled = value * scale
         grads = tape.gradient(scaled, variables)
+        if optimizer is not None:
+            update.write_pass(
+                model, tf.constant(0, tf.int64), tf.constant(True),
+                tf.constant(True), optimizer.scaling_config,
+            )
         return [None if g is None else tf.convert_to_tensor(g) for g in grads], value
 
     with _quiet_retracing():
         grads, value = compute(x, y)
-    if optimizer is not None:
-        # That pass measured; choose the per-layer scales from it, as the
-        # optimizer's apply would, and take the gradients on them.
-        optimizer._update_scales(model)
-        with _quiet_retracing():
-            grads, value = compute(x, y)
     grads = [None if g is None else np.asarray(g, np.float64) / scale for g in grads]
     return grads, float(value)
 

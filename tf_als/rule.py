@@ -180,21 +180,132 @@ def choose_scale_from_amax(
     amax, current_scale, max_layer_scale, overflow_margin, backoff=1.0, inherited=1.0
 ) -> tf.Tensor:
     """`choose_scale` from the one statistic it reads, the incoming
-    gradient's amax (elementwise: any shape).
+    gradient's amax (elementwise: any shape). This is what every scaling
+    point runs on every step, inside its gradient function (with
+    `current_scale` 1: a gradient that is all zero or not finite gets the
+    neutral scale), so it is a handful of scalar ops: the largest power of
+    two at most 65504 / (amax * backoff * margin) is read from the float32
+    bit pattern of that quotient, then checked (a quotient rounded up to a
+    power of two is halved), so it equals the exact
+    `2 ** safe_exponent(...)` before the clip.
 
     >>> float(choose_scale_from_amax(tf.constant(2.0**-10), 1.0, 2.0**15, 2.0**12))
     8192.0
     """
+    amax = tf.cast(amax, tf.float32)
+    factor = tf.cast(backoff, tf.float32) * tf.cast(overflow_margin, tf.float32)
+    # A reach below 2**-100 gets the ceiling anyway; the floor keeps the
+    # quotient finite.
+    reach = tf.maximum(amax * factor, 2.0**-100)
+    scale = _pow2.floor_pow2(FLOAT16_MAX / reach)
+    scale = tf.where(reach * scale > FLOAT16_MAX, scale * 0.5, scale)
+    low = tf.math.reciprocal(tf.cast(inherited, tf.float32))
+    scale = tf.clip_by_value(scale, low, tf.cast(max_layer_scale, tf.float32))
+    return tf.where(
+        usable_amax(amax, backoff), scale, tf.cast(current_scale, tf.float32)
+    )
+
+
+def amax_of(gradients) -> tf.Tensor:
+    """The largest magnitude among `gradients` (a tensor or a list of them,
+    any float dtype), as a float32 scalar: the one number the default rule
+    reads, and what a scaling point computes on every step. The reduction
+    runs in the gradient's own dtype (exact: a maximum does not round), and
+    fuses with the elementwise work around it under XLA. A non-finite
+    element gives inf or NaN (which keeps nothing: the step is skipped).
+
+    >>> float(amax_of([tf.constant([1.0, -3.0], tf.float16), tf.constant([2.0])]))
+    3.0
+    """
+    if not isinstance(gradients, (list, tuple)):
+        gradients = [gradients]
+    values = [
+        tf.cast(tf.reduce_max(tf.abs(g)), tf.float32) for g in gradients
+    ]
+    return values[0] if len(values) == 1 else tf.reduce_max(tf.stack(values))
+
+
+def choose_scale_paper(
+    gradients,
+    current_scale,
+    max_layer_scale,
+    overflow_margin,
+    underflow_rate,
+    backoff=1.0,
+    inherited=1.0,
+) -> tf.Tensor:
+    """The ALS paper's per-layer scale (float32, a power of two): the
+    reciprocal of the `underflow_rate` quantile of the incoming gradient's
+    nonzero magnitudes, rounded down to a power of two, then capped as
+    `choose_scale_from_amax` caps (never above what safety allows for the
+    gradient's amax, within [1 / inherited, max_layer_scale]). Kept at
+    `current_scale` when every element is zero or one is not finite.
+
+    The quantile is `tfp.stats.percentile` (lower interpolation) of the
+    magnitudes, a sort: this runs every `update_interval` steps, never
+    on every step.
+
+    Example: the 1% quantile of (1..100) * 2**-20 is 2**-20, whose
+    reciprocal 2**20 is above `max_layer_scale`; times 2**16, the quantile
+    2**-4 asks for 16, but the amax, 6.25, leaves room for 2 below
+    float16's maximum with a margin of 2**12:
+
+    >>> g = tf.range(1.0, 101.0) * 2.0**-20
+    >>> float(choose_scale_paper(g, 1.0, 2.0**15, 2.0**12, 0.01))
+    32768.0
+    >>> float(choose_scale_paper(g * 2.0**16, 1.0, 2.0**15, 2.0**12, 0.01))
+    2.0
+    >>> float(choose_scale_paper(g * 2.0**16, 1.0, 2.0**15, 1.0, 0.01))
+    16.0
+    """
+    quantile = nonzero_quantile(gradients, underflow_rate)
+    safe = safe_exponent(amax_of(gradients), overflow_margin, backoff)
+    # The largest power of two <= 1 / quantile, exactly.
+    low = _pow2.floor_log2(quantile)
+    reciprocal = tf.where(tf.equal(_pow2.pow2(low), quantile), -low, -low - 1)
     max_exponent = _pow2.floor_log2(tf.cast(max_layer_scale, tf.float32))
     min_exponent = -_pow2.floor_log2(tf.cast(inherited, tf.float32))
     exponent = tf.clip_by_value(
-        safe_exponent(amax, overflow_margin, backoff), min_exponent, max_exponent
+        tf.minimum(reciprocal, safe), min_exponent, max_exponent
     )
-    return tf.where(
-        usable_amax(amax, backoff),
-        _pow2.pow2(exponent),
-        tf.cast(current_scale, tf.float32),
+    usable = tf.logical_and(
+        usable_amax(amax_of(gradients), backoff),
+        tf.logical_and(quantile > 0.0, tf.math.is_finite(quantile)),
     )
+    return tf.where(usable, _pow2.pow2(exponent), tf.cast(current_scale, tf.float32))
+
+
+def nonzero_quantile(gradients, rate) -> tf.Tensor:
+    """The `rate` quantile (lower interpolation, as numpy's
+    `method="lower"`) of the nonzero magnitudes of `gradients` (pooled), in
+    float32, computed with `tfp.stats.percentile`; 0 when every element is
+    zero. Zeros are moved past the end (as +inf) and the percentile is
+    asked for the rank the nonzero elements alone would give it, so the
+    shape stays static (XLA compiles it).
+
+    >>> float(nonzero_quantile(tf.constant([0.0, 0.0, 3.0, -1.0, 2.0]), 0.5))
+    2.0
+    """
+    import tensorflow_probability as tfp  # Only the "paper" rule needs it.
+
+    if not isinstance(gradients, (list, tuple)):
+        gradients = [gradients]
+    magnitudes = tf.concat(
+        [tf.abs(tf.reshape(tf.cast(g, tf.float32), [-1])) for g in gradients], 0
+    )
+    nonzero = tf.cast(tf.math.count_nonzero(magnitudes), tf.float64)
+    size = tf.cast(tf.size(magnitudes), tf.float64)
+    rank = tf.floor(
+        _as_float64(rate) * tf.maximum(nonzero - 1.0, 0.0) * (1.0 + 2.0**-40)
+    )
+    # tfp takes index floor((size - 1) * q / 100): aim at the middle of
+    # the rank, so that rounding cannot move it.
+    q = 100.0 * (rank + 0.5) / tf.maximum(size - 1.0, 1.0)
+    moved = tf.where(magnitudes > 0.0, magnitudes, float("inf"))
+    value = tfp.stats.percentile(
+        moved, tf.minimum(q, 100.0), interpolation="lower"
+    )
+    return tf.where(nonzero > 0, value, 0.0)
 
 
 def safe_exponent(amax, overflow_margin, backoff=1.0) -> tf.Tensor:
@@ -305,6 +416,47 @@ def tally(gradients) -> tf.Tensor:
     amax = amaxes[0] if len(amaxes) == 1 else nan_max(tf.stack(amaxes))
     count = counts[0] if len(counts) == 1 else tf.add_n(counts)
     return tf.concat([amax[tf.newaxis], tf.cast(count, tf.float32)], 0)
+
+
+# Telemetry tallies a sample of at most this many elements of each
+# incoming gradient on every step (see `sample`).
+SAMPLE_SIZE = 4096
+
+
+def sample(gradient, size: int = SAMPLE_SIZE) -> tf.Tensor:
+    """At most about `size` elements of `gradient`, flattened: every k-th
+    element, k odd and the smallest that keeps the sample within `size`
+    (an odd stride walks through every channel of a power-of-two channel
+    dimension instead of sampling one). The whole gradient when it has at
+    most `size` elements. Shapes that are static stay static.
+
+    >>> sample(tf.range(10.0), size=4).numpy()
+    array([0., 3., 6., 9.], dtype=float32)
+    """
+    flat = tf.reshape(gradient, [-1])
+    count = flat.shape[0]
+    if count is None:
+        count = tf.size(flat)
+    stride = (count + size - 1) // size
+    stride = stride + 1 - stride % 2  # odd
+    return flat[::stride]
+
+
+def telemetry_tally(gradients, amax) -> tf.Tensor:
+    """The tally (`tally`) of a `sample` of each of `gradients`, with the
+    exact `amax` of the whole gradients in place of the sample's: what a
+    scaling point records on every step, for the telemetry. Its counts
+    describe the sample: fractions and the percentile are estimates from
+    up to `SAMPLE_SIZE` elements per gradient; amax is exact.
+
+    >>> t = telemetry_tally(tf.constant([0.0, 1.0, 2.0]), tf.constant(2.0))
+    >>> float(t[0]), float(tf.reduce_sum(t[1:]))
+    (2.0, 3.0)
+    """
+    if not isinstance(gradients, (list, tuple)):
+        gradients = [gradients]
+    counts = tally([sample(g) for g in gradients])[1:]
+    return tf.concat([tf.reshape(tf.cast(amax, tf.float32), [1]), counts], 0)
 
 
 def statistics_of_tallies(tallies, underflow_rate) -> tuple:

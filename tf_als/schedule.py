@@ -1,14 +1,16 @@
-"""When the scaling points measure, and when an update may use it.
+"""Which steps record telemetry, and which update the paper rule's scales.
 
-The optimizer that applies an instrumented model's gradients drives the
-schedule with its own counter of `apply` calls (micro-steps: with gradient
-accumulation on the inner optimizer, several calls make one applied step).
-An update happens in the `apply` of a call that applies (the last
-micro-step of an accumulation) and whose applied step is a multiple of
-`update_interval`; after every call, the optimizer writes into the model's
-state whether the next call is such a step, so that its backward pass
-measures (`tf_als.state.ScalingState.due`). A skipped (non-finite) step
-does not advance the counter, so the retry measures again.
+The optimizer that applies an instrumented model's gradients counts its
+`apply` calls (micro-steps: with gradient accumulation on the inner
+optimizer, several calls make one applied step). A call is due for an
+interval when it applies (the last micro-step of an accumulation) and its
+applied step is a multiple of the interval: every `telemetry_interval`
+steps the optimizer writes the telemetry records, and, under the paper's
+rule, every `update_interval` steps the points re-choose their scales;
+after each call the optimizer writes into the model's state whether the
+next call is such a step (`tf_als.state.ScalingState.due`), since the
+backward pass runs before the optimizer sees the step. A skipped
+(non-finite) step does not advance the counter, so its retry is due again.
 
 >>> int(due_at(tf.constant(0, tf.int64), accumulation=1, interval=100))
 1
@@ -28,9 +30,8 @@ def applies(micro_step, accumulation: int) -> tf.Tensor:
 
 
 def due_at(micro_step, accumulation: int, interval: int) -> tf.Tensor:
-    """1 (int64) when the `apply` call numbered `micro_step` updates the
-    scales: it applies, and its applied step is a multiple of `interval`;
-    else 0."""
+    """1 (int64) when the `apply` call numbered `micro_step` is due: it
+    applies, and its applied step is a multiple of `interval`; else 0."""
     applied_step = tf.math.floordiv(micro_step + 1, accumulation) - 1
     due = tf.logical_and(
         applies(micro_step, accumulation),

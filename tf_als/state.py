@@ -1,15 +1,17 @@
 """The state of the scaling points: their scales and what they measured.
 
 An instrumented model holds one `ScalingState`: a few `[points, ...]`
-variables, row i for point i. The backward pass reads the scales and, on
-update steps, writes the measurements; the optimizer's `apply` writes the
-rest; callbacks, `tf_als.scales()`, checkpoints and `model.save` read or
-store it. A `ScalingPoint` is one point's view of those rows.
+variables, row i for point i. The backward pass reads the global scale's
+back-off (and, under the paper's rule, the scales and whether an update is
+due); the optimizer's `apply` writes what the pass chose and measured
+(`tf_als.update`); callbacks, `tf_als.scales()`, checkpoints and
+`model.save` read or store it. A `ScalingPoint` is one point's view of
+those rows.
 
 Stacking matters for speed: every variable a compiled step touches costs
-time on every step (XLA passes each one in and out of the computation, even
-through branches that do not run) and compile time once, so `[points]`
-variables cost what a few per-point ones did.
+time on every step (XLA passes each one in and out of the computation) and
+compile time once, so `[points]` variables cost what a few per-point ones
+did.
 """
 
 import keras
@@ -21,8 +23,11 @@ from tf_als import rule
 # Layout of a `records` row: the cumulative scale, then the fields of
 # `rule.GradientStatistics` in order.
 RECORD_FIELDS = ("cumulative_scale",) + rule.GradientStatistics._fields
-# A `measured` row: the scale T_out the gradient carried, then its tally.
-MEASUREMENT_SIZE = 1 + rule.TALLY_SIZE
+# The variables, in the order they are created (and saved).
+VARIABLES = ("scales", "records", "histograms", "last_updates", "due", "backoff")
+# 0.2 saved seven: these, with `measured` and `pending` (since removed)
+# before `due`, and no `backoff`.
+_LAYOUT_0_2 = ("scales", "records", "histograms", "last_updates", None, None, "due")
 
 
 @keras.saving.register_keras_serializable(package="tf_als")
@@ -36,37 +41,35 @@ class ScalingState(keras.layers.Layer):
       of two >= 1 / T_out(n) (below 1 it gives back lift inherited from
       downstream).
     - `records`: float32 `[points, len(RECORD_FIELDS)]`, what the last
-      update measured and decided: `cumulative_scale` T_in(n) = s_n *
+      telemetry step measured and chose: `cumulative_scale` T_in(n) = s_n *
       T_out(n), the scale (relative to the global loss scale S) that the
       layer's input and weight gradients carry; then the incoming
       gradient's `percentile`, `amax`, `zero_fraction`,
       `subnormal_fraction` and `near_max_fraction` (see
-      `tf_als.rule.GradientStatistics`), aggregated over replicas.
+      `tf_als.rule.GradientStatistics`; amax is exact, the rest are
+      estimated from a sample of the gradient, `tf_als.rule.sample`).
     - `histograms`: float32 `[points, len(rule.HISTOGRAM_EXPONENTS)]`, the
-      `tf_als.rule.log2_histogram` of each incoming gradient at the last
-      update.
+      `tf_als.rule.log2_histogram` of each incoming gradient's sample at
+      the last telemetry step.
     - `last_updates`: int64 `[points]`, the optimizer step of each point's
-      last update (-1 before the first).
-    - `measured`: float32 `[points, MEASUREMENT_SIZE]`, what the backward
-      pass of the last update step measured of each incoming gradient,
-      before any exchange between replicas: the scale T_out it carried,
-      then its `tf_als.rule.tally` (amax and a count per binary exponent).
-    - `pending`: int64 `[points]`, 1 where `measured` holds a measurement
-      that no update has used yet, else 0.
-    - `due`: int64 scalar, 1 when the next backward pass measures. An
-      `AdaptiveLossScaleOptimizer` that applies the model's gradients sets
-      it after each step, from its own step counter (see
-      `tf_als.schedule`); it starts at 1, so the first step measures.
+      last telemetry record (-1 before the first).
+    - `due`: int64 scalar, 1 when the next backward pass updates the
+      scales under the paper's rule (`rule="paper"`; the default rule
+      chooses on every step). An `AdaptiveLossScaleOptimizer` that applies
+      the model's gradients sets it after each step, from its own step
+      counter (see `tf_als.schedule`); it starts at 1.
+    - `backoff`: float32 scalar >= 1, how far the global loss scale of the
+      optimizer that applies the model's gradients has backed off below
+      its initial value (`tf_als.rule.choose_scale`'s `backoff`), written
+      by that optimizer after each step; 1 until then.
 
-    When `due` is 1 the backward pass writes rows of `measured` and
-    `pending` (each replica its own), and the `apply` of an optimizer
-    applying the model's gradients then writes the others (see
-    `tf_als.update`). A backward pass whose gradients are not applied (a
-    gradient penalty's inner pass, a critic inside the generator's step)
-    may measure too; the latest measurement before an update is the one
-    it uses, and that is the applied pass's. Under `tf.distribute`
-    every replica writes the same, aggregated values into the others, so
-    all are synchronised on read from the first replica.
+    The scales are chosen inside the backward pass, each from the
+    gradient it is applied to; the `apply` of an optimizer applying the
+    model's gradients writes them, and every `telemetry_interval` steps
+    the records and histograms (see `tf_als.update`). Under
+    `tf.distribute` every replica chooses and records its own (each
+    replica's weight gradients are unscaled before they are summed); a
+    read gives the first replica's.
 
     Args:
         point_names: the scaling points' names, as `tf_als.scales()`
@@ -103,11 +106,8 @@ class ScalingState(keras.layers.Layer):
             np.zeros([points, len(rule.HISTOGRAM_EXPONENTS)], np.float32),
         )
         self.last_updates = self._state("last_updates", np.full([points], -1, np.int64))
-        self.measured = self._state(
-            "measured", np.zeros([points, MEASUREMENT_SIZE], np.float32)
-        )
-        self.pending = self._state("pending", np.zeros([points], np.int64))
         self.due = self._state("due", np.ones([], np.int64))
+        self.backoff = self._state("backoff", np.ones([], np.float32))
         self.built = True
 
     def _state(self, name, initial):
@@ -140,16 +140,16 @@ class ScalingState(keras.layers.Layer):
         """Point `index`'s view of the rows."""
         return ScalingPoint(self, index)
 
-    def write_measurement(self, index: int, measurement) -> list:
-        """Writes row `index` of `measured` (`[T_out, tally]`) and marks it
-        `pending`; returns the two assignments. Each replica
-        writes its own copy. A synchronised-on-read variable takes no
-        scatter, so the row is written by assigning the whole variable with
-        the row replaced (a few KiB, on update steps only)."""
-        return [
-            _assign_row(self.measured, index, measurement),
-            _assign_row(self.pending, index, tf.constant(1, tf.int64)),
-        ]
+    def load_own_variables(self, store):
+        """Loads the variables a `.keras` file saved; a 0.2 file (seven
+        variables: the per-point measurement rows, since removed) loads
+        too, its back-off starting at 1."""
+        if len(store.keys()) == len(_LAYOUT_0_2):
+            for key, name in enumerate(_LAYOUT_0_2):
+                if name is not None:
+                    getattr(self, name).assign(store[str(key)])
+            return
+        super().load_own_variables(store)
 
     def call(self, inputs):
         raise TypeError(

@@ -63,7 +63,7 @@ class UnscaledGradients:
     def unscale(self, raw, factor):
         """`unscale(raw, factor)`, recorded when a graph is being traced."""
         product = unscale(raw, factor)
-        graph = _traced_graph()
+        graph = traced_graph()
         if graph is not None and product is not None:
             self._graphs.setdefault(graph, {})[id(product)] = (product, raw, factor)
         return product
@@ -72,7 +72,7 @@ class UnscaledGradients:
         """`gradient / scale` computed as `unscale(raw, factor / scale)`, one
         op, if `gradient` is a product recorded in the graph being traced;
         None otherwise."""
-        graph = _traced_graph()
+        graph = traced_graph()
         products = self._graphs.get(graph, {}) if graph is not None else {}
         entry = products.get(id(gradient))
         if entry is None or entry[0] is not gradient:
@@ -81,7 +81,7 @@ class UnscaledGradients:
         return unscale(raw, factor / tf.cast(scale, tf.float32))
 
 
-def _traced_graph():
+def traced_graph():
     """The graph being traced, or None when executing eagerly."""
     if tf.executing_eagerly():
         return None
