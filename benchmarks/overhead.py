@@ -284,7 +284,18 @@ def fresh_worker(args):
         "after_setup": after_setup,
         "peak": peak[0],
         "trimmed": _trimmed_rss_mib(),
+        "device_peak": _device_peak_mib(),
     }
+
+
+def _device_peak_mib():
+    """The first GPU's peak allocated memory (MiB) since the process
+    started, from TensorFlow's allocator; None without a GPU."""
+    import tensorflow as tf
+
+    if not tf.config.list_physical_devices("GPU"):
+        return None
+    return tf.config.experimental.get_memory_info("GPU:0")["peak"] / 2.0**20
 
 
 def _trimmed_rss_mib():

@@ -1056,3 +1056,42 @@ def test_telemetry_tally_counts_the_sample_and_keeps_the_exact_amax(run):
     assert tally[1:].sum() == len(range(0, 8193, 3))  # the sample's size
     stats, _ = rule.statistics_of_tallies(tally[np.newaxis], 0.0)
     assert float(stats.percentile[0]) == 2.0**-20
+
+
+def test_sample_with_an_unknown_batch_strides_through_the_first_examples():
+    """A `fit` step traces its gradients with an unknown batch dimension:
+    the sample then strides (by a constant) through the first four
+    examples."""
+    values = np.arange(8 * 64 * 64, dtype=np.float32).reshape(8, 64, 64)
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 64, 64], tf.float32)])
+    def fn(g):
+        return rule.sample(g)
+
+    # 4 * 4096 elements, at most 4096: stride 4, made odd: 5.
+    expected = values[:4].ravel()[::5]
+    assert_exact(fn(tf.constant(values)).numpy(), expected)
+
+
+def test_amax_of_reads_every_sign_and_non_finite(run):
+    """The bit-pattern amax against numpy's max |g|, per dtype: positive
+    and negative maxima, all-negative, zeros and signed zeros, subnormals,
+    inf and NaN on either side."""
+    cases = [
+        [1.0, -3.0, 2.0],
+        [-1.0, -0.5],
+        [0.5, 0.25],
+        [0.0, -0.0],
+        [2.0**-24, -(2.0**-20)],
+        [1.0, -INF],
+        [INF, -2.0],
+        [1.0, -NAN],
+        [NAN, 5.0],
+    ]
+    for dtype in (tf.float16, tf.bfloat16, tf.float32):
+        tensors = [tf.constant(c, dtype) for c in cases]
+        outputs = run(lambda *gs: [rule.amax_of(g) for g in gs], *tensors)
+        for values, t, out in zip(cases, tensors, outputs):
+            stored = np.abs(t.numpy().astype(np.float32))
+            expected = np.float32(np.nan if np.isnan(stored).any() else stored.max())
+            assert_exact(out, expected, what=(dtype.name, values))

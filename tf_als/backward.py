@@ -38,6 +38,7 @@ from tf_als import config as config_module
 from tf_als import hooks
 from tf_als import pass_record
 from tf_als import rule
+from tf_als import unscaled
 
 
 class Backward:
@@ -78,6 +79,7 @@ class Backward:
         self._handled = {}  # point -> ids of variables unscaled inside it
         self._used = {}  # point -> scale used in this pass
         self._input_scales = {}  # point -> T its input gradients carry
+        self._limits = {}  # graph (None: eager) -> the pass's headroom
 
     # -- the three custom-gradient identities ------------------------------
 
@@ -330,7 +332,6 @@ class Backward:
             return self._used[point]
         config = self.config
         scale_out = tf.cast(scale_out, tf.float32)
-        backoff = tf.convert_to_tensor(self.state.backoff)
         amax = rule.amax_of(upstream)
         if point in self.synchronized and _replicas_in_sync() > 1:
             # Every replica chooses its own scales, so T_out differs between
@@ -340,6 +341,8 @@ class Backward:
             scale = tf.math.reciprocal(scale_out)
         elif config.rule == "paper":
             current = tf.gather(tf.convert_to_tensor(self.state.scales), point)
+
+            backoff = tf.convert_to_tensor(self.state.backoff)
 
             def update():
                 return rule.choose_scale_paper(
@@ -351,9 +354,8 @@ class Backward:
             due = tf.convert_to_tensor(self.state.due) > 0
             scale = tf.cond(due, update, lambda: current)
         else:
-            scale = rule.choose_scale_from_amax(
-                amax, 1.0, config.max_layer_scale, config.overflow_margin,
-                backoff, scale_out,
+            scale = rule.scale_within(
+                amax, self._headroom(), config.max_layer_scale, scale_out
             )
         samples = tuple(rule.sample(dy) for dy in upstream)
         self.record.put(
@@ -361,6 +363,15 @@ class Backward:
         )
         self._used[point] = scale
         return scale
+
+    def _headroom(self):
+        """`tf_als.rule.headroom` of this pass, read once per graph (every
+        point of a pass shares the global scale's back-off)."""
+        graph = unscaled.traced_graph()
+        if graph not in self._limits:
+            backoff = tf.convert_to_tensor(self.state.backoff)
+            self._limits[graph] = rule.headroom(self.config.overflow_margin, backoff)
+        return self._limits[graph]
 
 
 def _replicas_in_sync() -> int:

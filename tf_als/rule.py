@@ -180,38 +180,63 @@ def choose_scale_from_amax(
     amax, current_scale, max_layer_scale, overflow_margin, backoff=1.0, inherited=1.0
 ) -> tf.Tensor:
     """`choose_scale` from the one statistic it reads, the incoming
-    gradient's amax (elementwise: any shape). This is what every scaling
-    point runs on every step, inside its gradient function (with
-    `current_scale` 1: a gradient that is all zero or not finite gets the
-    neutral scale), so it is a handful of scalar ops: the largest power of
-    two at most 65504 / (amax * backoff * margin) is read from the float32
-    bit pattern of that quotient, then checked (a quotient rounded up to a
-    power of two is halved), so it equals the exact
-    `2 ** safe_exponent(...)` before the clip.
+    gradient's amax (elementwise: any shape).
+
+    This is what every scaling point runs on every step, inside its
+    gradient function (`current_scale` 1: a gradient that is all zero or
+    not finite gets the neutral scale), as `scale_within(amax,
+    headroom(overflow_margin, backoff), ...)`.
 
     >>> float(choose_scale_from_amax(tf.constant(2.0**-10), 1.0, 2.0**15, 2.0**12))
     8192.0
     """
-    amax = tf.cast(amax, tf.float32)
-    factor = tf.cast(backoff, tf.float32) * tf.cast(overflow_margin, tf.float32)
-    # A reach below 2**-100 gets the ceiling anyway; the floor keeps the
-    # quotient finite.
-    reach = tf.maximum(amax * factor, 2.0**-100)
-    scale = _pow2.floor_pow2(FLOAT16_MAX / reach)
-    scale = tf.where(reach * scale > FLOAT16_MAX, scale * 0.5, scale)
-    low = tf.math.reciprocal(tf.cast(inherited, tf.float32))
-    scale = tf.clip_by_value(scale, low, tf.cast(max_layer_scale, tf.float32))
+    scale = scale_within(
+        amax, headroom(overflow_margin, backoff), max_layer_scale, inherited
+    )
     return tf.where(
         usable_amax(amax, backoff), scale, tf.cast(current_scale, tf.float32)
     )
 
 
+def headroom(overflow_margin, backoff=1.0) -> tf.Tensor:
+    """The largest scaled amax the rule allows: float16's maximum divided
+    by the margin and the back-off, in float32 (exact when both are powers
+    of two, as the back-off is unless `initial_scale` is not). One per
+    backward pass: every point of the pass shares it.
+
+    >>> float(headroom(2.0**12, 2.0))
+    7.99609375
+    """
+    factor = tf.cast(overflow_margin, tf.float32) * tf.cast(backoff, tf.float32)
+    return FLOAT16_MAX / factor
+
+
+def scale_within(amax, limit, max_layer_scale, inherited=1.0) -> tf.Tensor:
+    """The largest power of two s with amax * s <= `limit`, clipped to
+    [1 / inherited, max_layer_scale]; 1 where amax is 0 or NaN (float32,
+    elementwise). A handful of scalar ops: s is read from the float32 bit
+    pattern of limit / amax (its mantissa cleared), and halved where that
+    quotient was rounded up to a power of two, so the result is exact.
+
+    >>> float(scale_within(tf.constant(3.0), tf.constant(16.0), 2.0**15))
+    4.0
+    >>> float(scale_within(tf.constant(3.0), tf.constant(16.0), 2.0**15, 64.0))
+    4.0
+    >>> float(scale_within(tf.constant(2.0**10), tf.constant(1.0), 2.0**15, 64.0))
+    0.015625
+    """
+    amax = tf.cast(amax, tf.float32)
+    scale = _pow2.floor_pow2(limit / amax)
+    scale = tf.where(amax * scale > limit, scale * 0.5, scale)
+    low = tf.math.reciprocal(tf.cast(inherited, tf.float32))
+    scale = tf.maximum(tf.minimum(scale, tf.cast(max_layer_scale, tf.float32)), low)
+    return tf.where(amax > 0.0, scale, 1.0)
+
+
 def amax_of(gradients) -> tf.Tensor:
     """The largest magnitude among `gradients` (a tensor or a list of them,
     any float dtype), as a float32 scalar: the one number the default rule
-    reads, and what a scaling point computes on every step. The reduction
-    runs in the gradient's own dtype (exact: a maximum does not round), and
-    fuses with the elementwise work around it under XLA. A non-finite
+    reads, and what a scaling point computes on every step. A non-finite
     element gives inf or NaN (which keeps nothing: the step is skipped).
 
     >>> float(amax_of([tf.constant([1.0, -3.0], tf.float16), tf.constant([2.0])]))
@@ -219,10 +244,34 @@ def amax_of(gradients) -> tf.Tensor:
     """
     if not isinstance(gradients, (list, tuple)):
         gradients = [gradients]
-    values = [
-        tf.cast(tf.reduce_max(tf.abs(g)), tf.float32) for g in gradients
-    ]
+    values = [_amax(g) for g in gradients]
     return values[0] if len(values) == 1 else tf.reduce_max(tf.stack(values))
+
+
+# Float dtype -> (signed and unsigned integers of its width, its sign bit).
+_BITS = {
+    tf.float16: (tf.int16, tf.uint16, 1 << 15),
+    tf.bfloat16: (tf.int16, tf.uint16, 1 << 15),
+    tf.float32: (tf.int32, tf.uint32, 1 << 31),
+}
+
+
+def _amax(gradient) -> tf.Tensor:
+    """max |gradient| as float32, from two integer max-reductions over its
+    bit pattern and no elementwise pass: a float's magnitude orders as its
+    bits without the sign (NaN's above inf's), the signed maximum finds
+    the largest positive element and the unsigned one the largest
+    negative. On a CPU without XLA, float16 `reduce_max(abs(g))` costs
+    about twice as much (the `abs` writes a copy, and float16 reductions
+    are not vectorised)."""
+    if gradient.dtype not in _BITS:
+        return tf.cast(tf.reduce_max(tf.abs(gradient)), tf.float32)
+    signed, unsigned, sign = _BITS[gradient.dtype]
+    positive = tf.cast(tf.reduce_max(tf.bitcast(gradient, signed)), tf.int64)
+    negative = tf.cast(tf.reduce_max(tf.bitcast(gradient, unsigned)), tf.int64)
+    bits = tf.maximum(tf.maximum(positive, 0), negative - sign)
+    value = tf.bitcast(tf.cast(bits, signed), gradient.dtype)
+    return tf.cast(value, tf.float32)
 
 
 def choose_scale_paper(
@@ -423,18 +472,26 @@ def tally(gradients) -> tf.Tensor:
 SAMPLE_SIZE = 4096
 
 
-def sample(gradient, size: int = SAMPLE_SIZE) -> tf.Tensor:
+def sample(gradient, size: int = SAMPLE_SIZE, examples: int = 4) -> tf.Tensor:
     """At most about `size` elements of `gradient`, flattened: every k-th
     element, k odd and the smallest that keeps the sample within `size`
     (an odd stride walks through every channel of a power-of-two channel
     dimension instead of sampling one). The whole gradient when it has at
-    most `size` elements. Shapes that are static stay static.
+    most `size` elements. When only the batch dimension is unknown (a
+    `fit` step), the sample strides through the first `examples` examples,
+    so that the stride is a constant; a tensor of unknown shape otherwise
+    is strided as a whole.
 
     >>> sample(tf.range(10.0), size=4).numpy()
     array([0., 3., 6., 9.], dtype=float32)
     """
+    shape = gradient.shape
+    if not shape.is_fully_defined() and shape.rank and shape[1:].is_fully_defined():
+        count = examples * shape[1:].num_elements()
+        gradient = gradient[:examples]
+    else:
+        count = shape.num_elements() if shape.is_fully_defined() else None
     flat = tf.reshape(gradient, [-1])
-    count = flat.shape[0]
     if count is None:
         count = tf.size(flat)
     stride = (count + size - 1) // size
