@@ -70,9 +70,11 @@ def build():
 
 def data():
     """(x, y, sample weights): the first half of every global batch (the
-    first replica's) weighs 2**4, the second 1, so that the replicas'
+    first replica's) weighs 1, the second 2**-4, so that the replicas'
     gradients differ by about that factor and their points choose
-    different scales from them."""
+    different scales from them (weights of 2**4 and 1 instead made even
+    Keras's own mirrored run drift 2% from its single-device run in six
+    steps at this learning rate)."""
     import numpy as np
 
     rng = np.random.default_rng(0)

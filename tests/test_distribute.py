@@ -14,7 +14,7 @@ The model (Dense, synchronized BatchNormalization, a residual fork, a
 float32 head) is trained on a loss multiplied by 2**-12 with
 `telemetry_interval=2` and `max_layer_scale=8`, so that the per-layer
 scales leave 1 and differ between points. The first replica's examples
-weigh 2**4, the second's 1: each replica's points choose their scales from
+weigh 16 times the second's: each replica's points choose their scales from
 its own gradients, so the replicas choose differently, and the run must
 still end where the single device ends. That is sound because each
 replica's weight gradients are unscaled, per call and in float32, before

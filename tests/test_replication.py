@@ -107,3 +107,48 @@ def test_bad_arguments_are_refused(replication):
         replication.parse_args(["accuracy", "--seeds", "0"])
     with pytest.raises(SystemExit):
         replication.parse_args(["speed"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_name", ["cnn", "resnet", "sigmoid-mlp"])
+def test_the_paper_rule_is_the_same_with_and_without_xla(replication, model_name):
+    """`rule="paper"` on the replication's models: three steps from the same
+    weights on the same digits batches, updating on steps 0 and 2, with
+    `fit` compiled by XLA and without it. The scales are powers of two
+    chosen from a quantile (`tfp.stats.percentile`, a sort) and capped by
+    the amax, so the float16 rounding differences between the two
+    compilers move none of them. The loss is weighted 2**-12 (a small
+    auxiliary loss), so that the quantiles are small and the rule lifts:
+    at full weight the BatchNorm nets' gradients leave no headroom at the
+    global scale 2**15, and every scale would stay 1 under either
+    compiler."""
+    data = datasets.load("digits")
+    x, y = data.x_train[:192], data.y_train[:192]
+    keras.mixed_precision.set_global_policy("float32")
+    keras.utils.set_random_seed(0)
+    initial = replication.build_model(model_name, x.shape[1:], 10).get_weights()
+    scales = {}
+    for jit_compile in (False, True):
+        keras.mixed_precision.set_global_policy("mixed_float16")
+        model = replication.build_model(model_name, x.shape[1:], 10)
+        model.set_weights(initial)
+        model = tf_als.instrument(model)
+        optimizer = tf_als.AdaptiveLossScaleOptimizer(
+            keras.optimizers.Adam(1e-3), rule="paper", update_interval=2
+        )
+        model.compile(
+            optimizer=optimizer, loss=_small_loss, jit_compile=jit_compile
+        )
+        model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
+        scales[jit_compile] = list(tf_als.scales(model).values())
+    keras.mixed_precision.set_global_policy("float32")
+    assert scales[False] == scales[True]
+    # The rule did choose: not every scale stayed at 1.
+    assert any(s != 1.0 for s in scales[False]), scales
+
+
+def _small_loss(y_true, y_pred):
+    cross_entropy = keras.losses.sparse_categorical_crossentropy(
+        y_true, y_pred, from_logits=True
+    )
+    return cross_entropy * 2.0**-12

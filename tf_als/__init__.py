@@ -33,7 +33,11 @@ from tf_als.storm import NonFiniteStormError
 
 # 0.2.0: the scaling points' state is stacked (`tf_als.state.ScalingState`), so
 # models saved and checkpoints written by 0.1 do not restore their scales.
-__version__ = "0.2.0"
+# 0.3.0: the scales follow the gradient on every step; `update_interval`
+# sets the paper rule's interval, `telemetry_interval` the records' (0.2
+# `.keras` files and configs load: `ScalingState.load_own_variables`,
+# `AdaptiveLossScaleOptimizer`'s `update_interval` deprecation path).
+__version__ = "0.3.0"
 
 __all__ = [
     "AdaptiveLossScaleOptimizer",

@@ -96,16 +96,19 @@ def histogram_tags(point_names) -> set:
 
 
 class ScaleHistory(keras.callbacks.Callback):
-    """Records every per-layer scale update, and optionally writes it to
+    """Records every telemetry step, and optionally writes it to
     TensorBoard.
 
-    At every scale update (each `update_interval` steps, and again when an
-    update step was skipped for non-finite gradients and is retried) it
-    records, per scaling point, `POINT_QUANTITIES`: the per-layer scale, the
-    cumulative scale T_in, the percentile and amax of the incoming gradient,
-    and the fractions of its elements that are exactly zero, float16
-    subnormal, or within a factor 2 of float16's maximum; plus the global
-    loss scale and the number of skipped steps so far.
+    At every telemetry step (each `telemetry_interval` steps of the
+    optimizer, and again when such a step was skipped for non-finite
+    gradients and is retried) it records, per scaling point,
+    `POINT_QUANTITIES`: the per-layer scale (the scales follow the gradient
+    on every step; this is the latest one chosen), the cumulative scale
+    T_in, the percentile and amax of the incoming gradient, and the
+    fractions of its elements that are exactly zero, float16 subnormal, or
+    within a factor 2 of float16's maximum (amax exact, the rest estimated
+    from a sample of the gradient); plus the global loss scale and the
+    number of skipped steps so far.
 
     `history` holds it as plain Python data:
 
