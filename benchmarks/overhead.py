@@ -7,9 +7,12 @@ of hidden size 256 on 128 tokens), with XLA off and on, one process
 with `fit` on the same synthetic batches:
 
 - `keras`: `keras.optimizers.LossScaleOptimizer`;
-- `tf_als`: `tf_als.AdaptiveLossScaleOptimizer` with `update_interval` equal
-  to the chunk length, so every timed chunk holds exactly one update step;
-- `tf_als_1`: update_interval 1 (statistics and a scale choice every step).
+- `tf_als`: `tf_als.AdaptiveLossScaleOptimizer` with `telemetry_interval`
+  equal to the chunk length, so every timed chunk holds exactly one
+  telemetry step (since 0.3 every step chooses the scales, in the backward
+  pass; the telemetry step also tallies the statistics, in `apply`'s one
+  branch; in 0.2 these were `update_interval` and scale-update steps);
+- `tf_als_1`: telemetry_interval 1 (statistics on every step).
 
 The variants train in alternating chunks of `--chunk`
 steps for `--rounds` rounds; a callback times every step but the first of
@@ -17,9 +20,9 @@ each chunk (which also sets up `fit`'s iterator); each chunk's update step
 falls in its middle. Reported, as
 ratios to Keras's median step:
 
-- between updates: tf_als's median step without an update;
-- update step: how much longer tf_als's median update step takes than its
-  median step without one, in units of the latter (the first update step
+- between updates: tf_als's median step without telemetry (an "update");
+- update step: how much longer tf_als's median telemetry step takes than
+  its median step without one, in units of the latter (the first such step
   a process runs in a compiled function without XLA also instantiates the
   statistics functions, an outlier the median leaves out);
 - interval 1: tf_als_1's median step (measured);
