@@ -12,10 +12,7 @@ relative to the global loss scale S, as a float32 scalar:
 A `Scales` is filled with the T_in of each scaling-point call as it is
 known; everything else follows from the plan. The backward pass fills it as
 its gradient functions run (a point that no gradient reaches never runs and
-stays unknown, so it constrains nothing), and the scale update fills it in
-the same order, from the outputs back, with the scales it has just chosen
-(an unreached point there is +inf, which constrains nothing either).
-Products and ratios of powers of two are exact in float32.
+stays unknown, so it constrains nothing). Products and ratios of powers of two are exact in float32.
 """
 
 import tensorflow as tf

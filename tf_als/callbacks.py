@@ -3,8 +3,9 @@ custom loops, as Python data, Keras logs and TensorBoard summaries; and
 `NonFiniteGuard` (defined in `tf_als.storm`), which stops a run whose steps
 are all skipped.
 
-It only reads: the scaling points' variables (written by the backward pass
-at every scale update) and the optimizer's counters.
+It only reads: the scaling points' variables (the scales written by the
+optimizer's `apply` on every step, the records every `telemetry_interval`
+steps) and the optimizer's counters.
 """
 
 import os

@@ -17,7 +17,7 @@ class ScalePlot:
     Attributes:
         path: the PNG written.
         points: row labels of the heat map, one per scaling point.
-        steps: the optimizer step of each column (each scale update).
+        steps: the optimizer step of each column (each telemetry record).
         log2_scales: array [points, steps], log2 of each per-layer scale.
         zero_fractions: array [points, steps], each point's fraction of
             exactly-zero elements in its incoming gradient.
@@ -67,7 +67,7 @@ def plot_history(source, path, *, width=1000, height=700, dpi=100) -> ScalePlot:
     points, steps, log2_scales, zero_fractions = _series(source)
     if not steps:
         raise ValueError(
-            "The scale history is empty: no scale update has been recorded "
+            "The scale history is empty: no telemetry step has been recorded "
             "yet (train at least one step with the callback attached)."
         )
     for name, value in (("width", width), ("height", height), ("dpi", dpi)):

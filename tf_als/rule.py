@@ -39,8 +39,9 @@ gradient is then scaled exactly as Keras's global scale alone would scale
 it, never less.
 
 Every statistic is a linear pass over the gradient (reductions and one
-count per binary exponent); nothing is sorted, so an update step's cost
-grows with the gradient's size, not with size * log(size). The exponent
+count per binary exponent); nothing is sorted, so a telemetry step's cost
+grows with the sample's size, not with size * log(size) (the paper's rule,
+`choose_scale_paper`, sorts). The exponent
 counts give both the percentile and the log2 histogram.
 """
 
@@ -363,8 +364,8 @@ def safe_exponent(amax, overflow_margin, backoff=1.0) -> tf.Tensor:
     clip to [1 / inherited, max_layer_scale] (elementwise).
 
     The gradient times a power of two 2**f allows exactly k - f (the test
-    against float16's maximum reads the mantissa, which 2**f keeps), so the
-    scale update computes k once per point and walks in exponents.
+    against float16's maximum reads the mantissa, which 2**f keeps). The
+    paper's rule caps its scale with it.
 
     >>> int(safe_exponent(tf.constant(2.0**-10), 2.0**12))
     13
@@ -411,7 +412,7 @@ def log2_histogram(gradients) -> tf.Tensor:
     return histograms[0]
 
 
-# -- tallies: what a scaling point measures on an update step ---------------
+# -- tallies: the telemetry of a scaling point's sample ----------------------
 #
 # A tally is a gradient's amax followed by how many of its elements have
 # each float32 exponent field, read from the bit pattern of |g| as float32:
@@ -436,8 +437,8 @@ def tally(gradients) -> tf.Tensor:
     dtype and shape, pooled): a float32 vector of `TALLY_SIZE`, its amax
     (`nan_max` of the magnitudes) then one count per float32 exponent field.
 
-    A few elementwise ops and one segment sum per gradient: this is what a
-    scaling point runs on an update step. `statistics_of_tallies` derives
+    A few elementwise ops and one segment sum per gradient: what a
+    telemetry step runs on each point's sample. `statistics_of_tallies` derives
     everything else, for all points at once. Counts are exact up to 2**24
     elements per exponent (float32).
 
