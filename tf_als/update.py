@@ -54,7 +54,7 @@ def write_pass(model, step, keep, telemetry_due, config) -> None:
     chosen = tf.stack([records[p].scale for p in points])
     current = tf.convert_to_tensor(state.scales)
     state.scales.assign(
-        tf.where(keep, _scatter(state.scales, rows, chosen), current)
+        tf.where(keep, tf.tensor_scatter_nd_update(current, rows, chosen), current)
     )
 
     def telemetry():
