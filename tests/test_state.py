@@ -99,6 +99,11 @@ def test_a_row_is_written_inside_a_compiled_function():
     assert keras.ops.convert_to_numpy(state.last_updates).tolist() == [-1, 2]
 
 
+# Record columns of 0.2 and 0.3 files: the cumulative scale and the five
+# gradient statistics, no forward headroom.
+OLD_RECORD_COLUMNS = 6
+
+
 def test_a_0_2_file_loads_without_its_measurement_rows():
     """0.2 saved seven variables (with `measured` and `pending`, since
     removed, and no `backoff`): such a store loads the rows it shares, and
@@ -106,7 +111,7 @@ def test_a_0_2_file_loads_without_its_measurement_rows():
     state = state_module.ScalingState(["a", "b"])
     old = {
         "0": np.array([4.0, 0.5], np.float32),
-        "1": np.full([2, len(state_module.RECORD_FIELDS)], 3.0, np.float32),
+        "1": np.full([2, OLD_RECORD_COLUMNS], 3.0, np.float32),
         "2": np.full([2, 40], 0.25, np.float32),
         "3": np.array([7, 7], np.int64),
         "4": np.zeros([2, 258], np.float32),
@@ -118,7 +123,71 @@ def test_a_0_2_file_loads_without_its_measurement_rows():
     assert keras.ops.convert_to_numpy(state.last_updates).tolist() == [7, 7]
     assert int(keras.ops.convert_to_numpy(state.due)) == 0
     assert float(keras.ops.convert_to_numpy(state.backoff)) == 1.0
-    assert float(keras.ops.convert_to_numpy(state.records)[1, 2]) == 3.0
+    records = keras.ops.convert_to_numpy(state.records)
+    np.testing.assert_array_equal(records[:, :OLD_RECORD_COLUMNS], 3.0)
+    np.testing.assert_array_equal(records[:, OLD_RECORD_COLUMNS:], 0.0)
+    assert int(keras.ops.convert_to_numpy(state.zero_gradient_steps)) == 0
+
+
+def test_a_0_3_file_loads_without_forward_columns_and_counter():
+    """0.3 saved six variables, records of six columns and no
+    `zero_gradient_steps`: the rows load as the records' first columns,
+    the forward headroom reads 0 and the counter starts at 0."""
+    state = state_module.ScalingState(["a", "b"])
+    state.zero_gradient_steps.assign(3)
+    records = np.arange(2 * OLD_RECORD_COLUMNS, dtype=np.float32).reshape(2, -1)
+    old = {
+        "0": np.array([4.0, 0.5], np.float32),
+        "1": records,
+        "2": np.full([2, 40], 0.25, np.float32),
+        "3": np.array([7, 9], np.int64),
+        "4": np.array(0, np.int64),
+        "5": np.array(2.0, np.float32),
+    }
+    state.load_own_variables(old)
+    loaded = keras.ops.convert_to_numpy(state.records)
+    np.testing.assert_array_equal(loaded[:, :OLD_RECORD_COLUMNS], records)
+    np.testing.assert_array_equal(loaded[:, OLD_RECORD_COLUMNS:], 0.0)
+    assert state.point(1).read()["forward_amax"] == 0.0
+    assert state.point(1).read()["near_max_fraction"] == 11.0
+    assert keras.ops.convert_to_numpy(state.last_updates).tolist() == [7, 9]
+    assert float(keras.ops.convert_to_numpy(state.backoff)) == 2.0
+    assert int(keras.ops.convert_to_numpy(state.due)) == 0
+    assert int(keras.ops.convert_to_numpy(state.zero_gradient_steps)) == 3
+
+
+def test_the_current_layout_round_trips():
+    """What `save_own_variables` writes (every variable, the forward
+    columns and the counter included) loads back unchanged."""
+    state = state_module.ScalingState(["a", "b"])
+    state.scales.assign([2.0, 8.0])
+    state.records.assign(
+        np.arange(2 * len(state_module.RECORD_FIELDS), dtype=np.float32).reshape(2, -1)
+    )
+    state.zero_gradient_steps.assign(4)
+    store = {}
+    state.save_own_variables(store)
+    assert len(store) == len(state_module.VARIABLES)
+    again = state_module.ScalingState(["a", "b"])
+    again.load_own_variables(store)
+    for name in state_module.VARIABLES:
+        np.testing.assert_array_equal(
+            keras.ops.convert_to_numpy(getattr(again, name)),
+            keras.ops.convert_to_numpy(getattr(state, name)),
+            err_msg=name,
+        )
+    assert again.point(1).read()["forward_near_max_fraction"] == 15.0
+
+
+def test_old_records_of_another_model_are_refused():
+    state = state_module.ScalingState(["a", "b", "c"])
+    old = {str(k): v for k, v in enumerate(
+        [np.ones([2], np.float32), np.ones([2, OLD_RECORD_COLUMNS], np.float32),
+         np.zeros([2, 40], np.float32), np.zeros([2], np.int64),
+         np.array(1, np.int64), np.array(1.0, np.float32)]
+    )}
+    with pytest.raises(ValueError, match="3 scaling points"):
+        state.load_own_variables(old)
 
 
 def test_point_names_must_be_strings():

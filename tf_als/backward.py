@@ -19,7 +19,9 @@ the knobs of the model's `tf_als.config.ScalingConfig` and the global
 scale's back-off from its state): one max-reduction and a few scalar ops
 per point, no branch, and no variable written. What it chose and a sample
 of what it saw go to the model's `tf_als.pass_record.PassRecord`, which the
-optimizer that applies the gradients writes into the state. Under the
+optimizer that applies the gradients writes into the state, with a
+reference to the point's float16 forward outputs (measured there on
+telemetry steps only: the forward headroom). Under the
 paper's rule (`rule="paper"`) a point re-chooses only when the state says
 an update is due, and otherwise applies the scale in the state.
 
@@ -186,7 +188,7 @@ class Backward:
                     upstream, [self.scales.slot(call.outputs[i]) for i in floats]
                 )
             ]
-            scale = self._scale(call.point, upstream, common)
+            scale = self._scale(call.point, upstream, common, ys)
             scale_in = scale * common
             self.scales.point_scales[call.index] = scale_in
             self._input_scales[call.point] = scale_in
@@ -223,7 +225,7 @@ class Backward:
                 for y, dy in zip(ys, upstream)
             ]
             scale_out = self._interior.get(parent, 1.0)
-            scale = self._scale(point, upstream, scale_out)
+            scale = self._scale(point, upstream, scale_out, ys)
             scale_in = scale * scale_out
             self._input_scales[point] = scale_out
             input_grads, variable_grads = self._inside(
@@ -323,11 +325,13 @@ class Backward:
         ]
         return grads[: len(xs)], variable_grads
 
-    def _scale(self, point, upstream, scale_out):
+    def _scale(self, point, upstream, scale_out, outputs=()):
         """The point's scale s_n, chosen from `upstream`, the gradients it
-        is about to scale (which carry `scale_out`), and recorded. A layer
-        called several times inside one enclosing call is one inner point:
-        the first of its calls to run backwards chooses."""
+        is about to scale (which carry `scale_out`), and recorded with the
+        float16 ones among its forward `outputs` (kept by reference for the
+        forward telemetry). A layer called several times inside one
+        enclosing call is one inner point: the first of its calls to run
+        backwards chooses."""
         if point in self._used:
             return self._used[point]
         config = self.config
@@ -358,8 +362,9 @@ class Backward:
                 amax, self._headroom(), config.max_layer_scale, scale_out
             )
         samples = tuple(rule.sample(dy) for dy in upstream)
+        halves = tuple(y for y in outputs if y.dtype == tf.float16)
         self.record.put(
-            point, pass_record.PointRecord(scale, scale_out, amax, samples)
+            point, pass_record.PointRecord(scale, scale_out, amax, samples, halves)
         )
         self._used[point] = scale
         return scale

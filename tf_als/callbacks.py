@@ -26,8 +26,9 @@ from tf_als import storm
 NonFiniteGuard = storm.NonFiniteGuard  # Defined with the error it raises.
 
 POINT_QUANTITIES = ("scale",) + state.RECORD_FIELDS
-"""Per point and update: the per-layer scale, the cumulative scale and the
-`tf_als.rule.GradientStatistics` of the incoming gradient."""
+"""Per point and update: the per-layer scale, the cumulative scale, the
+`tf_als.rule.GradientStatistics` of the incoming gradient, and the forward
+headroom of the point's float16 output (`tf_als.state.FORWARD_FIELDS`)."""
 
 GLOBAL_QUANTITIES = ("loss_scale", "skipped_steps")
 """Per update: the global loss scale S and the number of skipped
@@ -108,8 +109,11 @@ class ScaleHistory(keras.callbacks.Callback):
     T_in, the percentile and amax of the incoming gradient, and the
     fractions of its elements that are exactly zero, float16 subnormal, or
     within a factor 2 of float16's maximum (amax exact, the rest estimated
-    from a sample of the gradient); plus the global loss scale and the
-    number of skipped steps so far.
+    from a sample of the gradient); the forward headroom of the point's
+    float16 output, `forward_amax` and `forward_near_max_fraction` (the
+    share of its elements within `tf_als.rule.NEAR_MAX_FACTOR` of float16's
+    maximum; both exact, 0 for a layer computing in float32); plus the
+    global loss scale and the number of skipped steps so far.
 
     `history` holds it as plain Python data:
 

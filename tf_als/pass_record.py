@@ -31,12 +31,16 @@ class PointRecord(NamedTuple):
         amax: float32 scalar, the incoming gradient's amax.
         samples: the `tf_als.rule.sample` of each incoming gradient, for
             the telemetry (tallied on telemetry steps only).
+        outputs: the point's float16 forward outputs, for the forward
+            telemetry (`tf_als.rule.forward_headroom`, measured on
+            telemetry steps only; until then a reference, no copy).
     """
 
     scale: tf.Tensor
     scale_out: tf.Tensor
     amax: tf.Tensor
     samples: tuple
+    outputs: tuple = ()
 
 
 class PassRecord:
@@ -68,6 +72,14 @@ class PassRecord:
         """The records of the graph being traced (eagerly: the latest
         pass's), by point index; empty when no pass ran there."""
         return dict(self._current(create=False) or {})
+
+    def release_outputs(self) -> None:
+        """Forgets the forward outputs of the records `latest()` returns
+        (the rest stays): in eager code they would otherwise hold a pass's
+        activations until the next pass replaced them."""
+        records = self._current(create=False) or {}
+        for point, record in records.items():
+            records[point] = record._replace(outputs=())
 
     def _current(self, create):
         graph = unscaled.traced_graph()

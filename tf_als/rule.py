@@ -249,6 +249,42 @@ def amax_of(gradients) -> tf.Tensor:
     return values[0] if len(values) == 1 else tf.reduce_max(tf.stack(values))
 
 
+# Forward headroom: a float16 output whose magnitude reaches float16's
+# maximum divided by this factor (65504 / 16 = 4094) is "near the maximum":
+# growth by that factor, or a float16 sum over that many of its elements,
+# can reach inf. What a point's telemetry counts (`forward_headroom`) and
+# `tf_als.silent` warns about.
+NEAR_MAX_FACTOR = 2**4
+NEAR_MAX_THRESHOLD = FLOAT16_MAX / NEAR_MAX_FACTOR
+
+
+def forward_headroom(outputs) -> tf.Tensor:
+    """[amax, near-max fraction] of a scaling point's forward outputs (a
+    list of tensors, pooled), float32: the largest magnitude (`amax_of`,
+    exact), and the exact share of elements with magnitude >=
+    `NEAR_MAX_THRESHOLD` (NaN and inf counted, as in `GradientStatistics`'
+    `near_max_fraction`). [0, 0] when there are no outputs. A full pass over
+    each output: telemetry steps only.
+
+    >>> y = tf.constant([1.0, -5000.0, 4094.0, 100.0], tf.float16)
+    >>> forward_headroom([y]).numpy().tolist()
+    [5000.0, 0.5]
+    >>> forward_headroom([]).numpy().tolist()
+    [0.0, 0.0]
+    """
+    if not outputs:
+        return tf.zeros([2], tf.float32)
+    near, size = [], []
+    for y in outputs:
+        flagged = tf.logical_or(tf.abs(y) >= NEAR_MAX_THRESHOLD, tf.math.is_nan(y))
+        near.append(tf.math.count_nonzero(flagged, dtype=tf.int64))
+        size.append(tf.size(y, out_type=tf.int64))
+    share = tf.cast(tf.add_n(near), tf.float64) / tf.cast(
+        tf.maximum(tf.add_n(size), 1), tf.float64
+    )
+    return tf.stack([amax_of(list(outputs)), tf.cast(share, tf.float32)])
+
+
 # Float dtype -> (signed and unsigned integers of its width, its sign bit).
 _BITS = {
     tf.float16: (tf.int16, tf.uint16, 1 << 15),

@@ -20,14 +20,29 @@ import tensorflow as tf
 
 from tf_als import rule
 
-# Layout of a `records` row: the cumulative scale, then the fields of
-# `rule.GradientStatistics` in order.
-RECORD_FIELDS = ("cumulative_scale",) + rule.GradientStatistics._fields
+# The forward headroom of a point's float16 outputs
+# (`rule.forward_headroom`): their amax, and the share of elements within
+# `rule.NEAR_MAX_FACTOR` of float16's maximum.
+FORWARD_FIELDS = ("forward_amax", "forward_near_max_fraction")
+# Layout of a `records` row: the cumulative scale, the fields of
+# `rule.GradientStatistics` in order, then `FORWARD_FIELDS` (new columns
+# go last, so an older file's rows load as a prefix).
+RECORD_FIELDS = ("cumulative_scale",) + rule.GradientStatistics._fields + FORWARD_FIELDS
 # The variables, in the order they are created (and saved).
-VARIABLES = ("scales", "records", "histograms", "last_updates", "due", "backoff")
-# 0.2 saved seven: these, with `measured` and `pending` (since removed)
-# before `due`, and no `backoff`.
-_LAYOUT_0_2 = ("scales", "records", "histograms", "last_updates", None, None, "due")
+VARIABLES = (
+    "scales", "records", "histograms", "last_updates", "due", "backoff",
+    "zero_gradient_steps",
+)
+# Older `.keras` layouts, by how many variables they saved: each
+# variable's name by position (None: since removed). Both saved records of
+# `_OLD_RECORD_FIELDS` columns (no forward headroom). 0.3: no
+# `zero_gradient_steps`. 0.2: `measured` and `pending` before `due`, no
+# `backoff`.
+_OLD_LAYOUTS = {
+    6: VARIABLES[:6],
+    7: ("scales", "records", "histograms", "last_updates", None, None, "due"),
+}
+_OLD_RECORD_FIELDS = len(RECORD_FIELDS) - len(FORWARD_FIELDS)
 
 
 @keras.saving.register_keras_serializable(package="tf_als")
@@ -47,7 +62,11 @@ class ScalingState(keras.layers.Layer):
       gradient's `percentile`, `amax`, `zero_fraction`,
       `subnormal_fraction` and `near_max_fraction` (see
       `tf_als.rule.GradientStatistics`; amax is exact, the rest are
-      estimated from a sample of the gradient, `tf_als.rule.sample`).
+      estimated from a sample of the gradient, `tf_als.rule.sample`); then
+      the point's float16 forward outputs' `forward_amax` and
+      `forward_near_max_fraction`, the share of their elements with
+      magnitude >= 65504 / `tf_als.rule.NEAR_MAX_FACTOR` (both exact; 0
+      for a point without float16 outputs, such as a layer in float32).
     - `histograms`: float32 `[points, len(rule.HISTOGRAM_EXPONENTS)]`, the
       `tf_als.rule.log2_histogram` of each incoming gradient's sample at
       the last telemetry step.
@@ -62,6 +81,11 @@ class ScalingState(keras.layers.Layer):
       optimizer that applies the model's gradients has backed off below
       its initial value (`tf_als.rule.choose_scale`'s `backoff`), written
       by that optimizer after each step; 1 until then.
+    - `zero_gradient_steps`: int32 scalar, how many applied steps in a row
+      every point the backward pass reached received an incoming gradient
+      that was exactly zero everywhere (0 after any other step): a loss
+      stuck at a constant, such as a float16 sum that overflowed
+      (`tf_als.silent` warns).
 
     The scales are chosen inside the backward pass, each from the
     gradient it is applied to; the `apply` of an optimizer applying the
@@ -108,6 +132,9 @@ class ScalingState(keras.layers.Layer):
         self.last_updates = self._state("last_updates", np.full([points], -1, np.int64))
         self.due = self._state("due", np.ones([], np.int64))
         self.backoff = self._state("backoff", np.ones([], np.float32))
+        self.zero_gradient_steps = self._state(
+            "zero_gradient_steps", np.zeros([], np.int32)
+        )
         self.built = True
 
     def _state(self, name, initial):
@@ -141,15 +168,38 @@ class ScalingState(keras.layers.Layer):
         return ScalingPoint(self, index)
 
     def load_own_variables(self, store):
-        """Loads the variables a `.keras` file saved; a 0.2 file (seven
-        variables: the per-point measurement rows, since removed) loads
-        too, its back-off starting at 1."""
-        if len(store.keys()) == len(_LAYOUT_0_2):
-            for key, name in enumerate(_LAYOUT_0_2):
-                if name is not None:
-                    getattr(self, name).assign(store[str(key)])
+        """Loads the variables a `.keras` file saved. Files of 0.3 (six
+        variables, records without the forward columns) and 0.2 (seven:
+        the per-point measurement rows, since removed) load too: what they
+        lack keeps its initial value (back-off 1, forward columns 0, no
+        zero-gradient steps)."""
+        layout = _OLD_LAYOUTS.get(len(store.keys()))
+        if layout is None or np.shape(store["1"])[-1] == len(RECORD_FIELDS):
+            super().load_own_variables(store)
             return
-        super().load_own_variables(store)
+        records = self._with_old_records(store[str(layout.index("records"))])
+        for key, name in enumerate(layout):
+            if name == "records":
+                self.records.assign(records)
+            elif name is not None:
+                getattr(self, name).assign(store[str(key)])
+
+    def _with_old_records(self, old):
+        """The records with record rows of `_OLD_RECORD_FIELDS` columns
+        (checked before anything is assigned) as their first columns (the
+        forward columns stay 0)."""
+        old = np.asarray(old, np.float32)
+        if old.shape != (len(self.point_names), _OLD_RECORD_FIELDS):
+            raise ValueError(
+                f"ScalingState {self.name!r} cannot load saved records of "
+                f"shape {old.shape}: this model has {len(self.point_names)} "
+                f"scaling points and a file of tf_als 0.2 or 0.3 holds "
+                f"{_OLD_RECORD_FIELDS} columns per point. Load it into the "
+                "model it was saved from."
+            )
+        records = keras.ops.convert_to_numpy(self.records).copy()
+        records[:, :_OLD_RECORD_FIELDS] = old
+        return records
 
     def call(self, inputs):
         raise TypeError(
@@ -273,11 +323,20 @@ def _assign_row(variable, index, value):
     )
 
 
-def record_vector(cumulative_scale, statistics, axis=0):
-    """Packs a cumulative scale and `GradientStatistics` into a record (or,
-    with `axis=1`, [points] of each into [points, record] rows)."""
+def record_vector(cumulative_scale, statistics, forward=None, axis=0):
+    """Packs a cumulative scale, `GradientStatistics` and the forward
+    headroom (`(forward_amax, forward_near_max_fraction)`, zeros if None)
+    into a record in `RECORD_FIELDS` order (or, with `axis=1`, [points] of
+    each into [points, record] rows).
+
+    >>> stats = rule.gradient_statistics(tf.constant([0.0, 2.0]), 0.01)
+    >>> record_vector(4.0, stats, (100.0, 0.0)).numpy().tolist()
+    [4.0, 2.0, 2.0, 0.5, 0.0, 0.0, 100.0, 0.0]
+    """
+    cumulative_scale = tf.cast(cumulative_scale, tf.float32)
+    if forward is None:
+        forward = (tf.zeros_like(cumulative_scale),) * len(FORWARD_FIELDS)
     return tf.stack(
-        [tf.cast(cumulative_scale, tf.float32)]
-        + [tf.cast(v, tf.float32) for v in statistics],
+        [cumulative_scale] + [tf.cast(v, tf.float32) for v in (*statistics, *forward)],
         axis=axis,
     )

@@ -11,11 +11,18 @@ optimizer calls `write_pass`, which
    finite: what `tf_als.scales()` reports, and, under the paper's rule,
    the scale the points apply until the next update (so a skipped step's
    choice never serves);
-2. on telemetry steps (every `telemetry_interval` steps), tallies each
+2. counts the steps in a row on which every reached point's incoming
+   gradient was exactly zero (`zero_gradient_steps`: one reduction over
+   the amaxes the points measured anyway, no branch), which
+   `tf_als.silent` reads;
+3. on telemetry steps (every `telemetry_interval` steps), tallies each
    point's sample of its incoming gradient (`tf_als.rule.telemetry_tally`),
    derives the statistics and histograms of all points at once
-   (`tf_als.rule.statistics_of_tallies`) and writes the records: one
-   branch for the whole model, never one per point.
+   (`tf_als.rule.statistics_of_tallies`), measures each point's float16
+   forward outputs (`tf_als.rule.forward_headroom`: exact amax and
+   near-maximum share) and writes the records: one branch for the whole
+   model, never one per point. On other steps the forward outputs cost
+   nothing here: the record only refers to them.
 
 Nothing is exchanged between replicas: each replica's points chose from
 its own gradients and unscaled its own weight gradients before Keras sums
@@ -56,19 +63,10 @@ def write_pass(model, step, keep, telemetry_due, config) -> None:
     state.scales.assign(
         tf.where(keep, tf.tensor_scatter_nd_update(current, rows, chosen), current)
     )
+    count_zero_gradients(state, tf.stack([records[p].amax for p in points]))
 
     def telemetry():
-        tallies = tf.stack(
-            [
-                rule.telemetry_tally(list(records[p].samples), records[p].amax)
-                for p in points
-            ]
-        )
-        statistics, histograms = rule.statistics_of_tallies(
-            tallies, config.underflow_rate
-        )
-        scale_in = chosen * tf.stack([records[p].scale_out for p in points])
-        values = state_module.record_vector(scale_in, statistics, axis=1)
+        values, histograms = _telemetry_rows(records, points, chosen, config)
         steps = tf.fill([len(points)], tf.cast(step, tf.int64))
         writes = [
             state.records.assign(_scatter(state.records, rows, values)),
@@ -79,6 +77,53 @@ def write_pass(model, step, keep, telemetry_due, config) -> None:
             return tf.constant(True)
 
     tf.cond(telemetry_due, telemetry, lambda: tf.constant(False))
+    if tf.executing_eagerly():
+        model.pass_record.release_outputs()
+
+
+def _telemetry_rows(records, points, chosen, config):
+    """`(records, histograms)` rows of `points` (in `RECORD_FIELDS` order)
+    from their `PointRecord`s and `chosen` scales: the statistics of each
+    incoming gradient's sample, and the forward headroom of each point's
+    float16 outputs (a full pass over each: telemetry steps only)."""
+    tallies = tf.stack(
+        [
+            rule.telemetry_tally(list(records[p].samples), records[p].amax)
+            for p in points
+        ]
+    )
+    statistics, histograms = rule.statistics_of_tallies(
+        tallies, config.underflow_rate
+    )
+    scale_in = chosen * tf.stack([records[p].scale_out for p in points])
+    forward = tf.stack(
+        [rule.forward_headroom(records[p].outputs) for p in points], axis=1
+    )
+    values = state_module.record_vector(
+        scale_in, statistics, tf.unstack(forward), axis=1
+    )
+    return values, histograms
+
+
+def count_zero_gradients(state, amaxes) -> None:
+    """Advances `state.zero_gradient_steps`: one more when every amax in
+    `amaxes` (float32 [points], the incoming gradients' amax of the points
+    a pass reached) is exactly 0, else back to 0 (a non-finite amax, a
+    skipped step, resets it too). One reduction, no branch.
+
+    >>> from tf_als import state as state_module
+    >>> state = state_module.ScalingState(["a", "b"])
+    >>> count_zero_gradients(state, tf.constant([0.0, 0.0]))
+    >>> count_zero_gradients(state, tf.constant([0.0, -0.0]))
+    >>> int(state.zero_gradient_steps.numpy())
+    2
+    >>> count_zero_gradients(state, tf.constant([0.0, 2.0**-24]))
+    >>> int(state.zero_gradient_steps.numpy())
+    0
+    """
+    zero = tf.reduce_all(tf.equal(amaxes, 0.0))
+    counter = tf.convert_to_tensor(state.zero_gradient_steps)
+    state.zero_gradient_steps.assign(tf.where(zero, counter + 1, 0))
 
 
 def _scatter(variable, rows, values):
