@@ -27,7 +27,7 @@ from tf_als import storm
 from tf_als import unscaled
 
 
-def instrument(model: keras.Model) -> "InstrumentedModel":
+def instrument(model: keras.Model, float32_outputs: bool = False) -> "InstrumentedModel":
     """Returns a model that shares `model`'s layers and weights and gives
     every call of a layer with weights its own adaptive loss scale.
 
@@ -46,6 +46,15 @@ def instrument(model: keras.Model) -> "InstrumentedModel":
             weighted layer it calls inside it. Recurrent layers and
             `TimeDistributed` stay one point; a warning names them and
             `tf_als.points(model)` gives the reason.
+        float32_outputs: bool, default False. Hand the training code
+            float32 outputs: the instrumented model casts each float16
+            output to float32 (exactly: every float16 value is a float32
+            value), so a loss written by hand sums and squares them in
+            float32. Keras's own losses cast their inputs to float32
+            already; a custom training loop, a model's own `train_step` or a
+            loss such as a soft-Dice summed over a batch of maps may not,
+            and overflows float16 (65504) without a non-finite value. The
+            served model (`predict`, `export`) keeps its outputs' dtypes.
 
     Returns:
         An `InstrumentedModel` (a `keras.Model`). If `model` is compiled, it
@@ -75,7 +84,7 @@ def instrument(model: keras.Model) -> "InstrumentedModel":
     )
     ```
     """
-    instrumented = InstrumentedModel(model)
+    instrumented = InstrumentedModel(model, float32_outputs=float32_outputs)
     arguments = _keras.compile_arguments(model)
     if arguments is not None and own_steps.overrides(model, "compile"):
         warnings.warn(
@@ -191,23 +200,9 @@ class InstrumentedModel(keras.Model):
         **kwargs: `keras.Model` arguments (`name`, ...).
     """
 
-    def __init__(self, model: keras.Model, **kwargs):
-        if isinstance(model, InstrumentedModel):
-            raise ValueError(
-                f"Model {model.name!r} is already instrumented; pass it to "
-                "compile()/fit() as it is (instrumenting twice would scale "
-                "every gradient twice)."
-            )
-        if graph.is_subclassed(model):
-            _check_subclassed(model)
-            plan = graph.empty_plan(model)
-            inner = _root_points(model)
-        else:
-            plan = graph.read(model)
-            _check_plan(plan)
-            inner = _inner_points(plan)
-        _check_inner(inner)
-        own_steps.check(model)
+    def __init__(self, model: keras.Model, float32_outputs: bool = False, **kwargs):
+        _check_flag("float32_outputs", float32_outputs)
+        plan, inner = _points_of(model)
         # A name scope may not start with "_" (a class `_Net` names its
         # models "_net").
         kwargs.setdefault("name", f"{model.name.lstrip('_') or 'model'}_instrumented")
@@ -215,6 +210,11 @@ class InstrumentedModel(keras.Model):
         # Inputs reach the layers exactly as they reach the original model.
         _keras.pass_inputs_through(self)
         self.model = model
+        self.float32_outputs = float32_outputs
+        # Whether Keras's own train step is being traced (its losses cast
+        # their inputs to float32), and whether the warning about float16
+        # outputs reaching other training code was given.
+        self._keras_train_step = self._warned_float16_outputs = False
         self.promotions = []  # tf_als.promote.Promotion, in order
         # The same list for tf.train.Checkpoint (which saves variables, not
         # dtype policies); `tf_als.promote.sync` reads it after a restore.
@@ -298,7 +298,13 @@ class InstrumentedModel(keras.Model):
 
     def train_step(self, data):
         own = own_steps.method(self.model, "train_step", self, InstrumentedModel)
-        return own(data) if own is not None else super().train_step(data)
+        if own is not None:
+            return own(data)
+        self._keras_train_step = True
+        try:
+            return super().train_step(data)
+        finally:
+            self._keras_train_step = False
 
     def test_step(self, data):
         own = own_steps.method(self.model, "test_step", self, InstrumentedModel)
@@ -363,8 +369,33 @@ class InstrumentedModel(keras.Model):
             # (casts, masks carried by the inputs, `training`), and its
             # weighted sublayers are the points inside.
             kwargs = {} if training is None else {"training": training}
-            return back.wrap_inner_call(0, self.model, (inputs,), kwargs)
-        return _run(self._plan, back, inputs, training, mask)
+            outputs = back.wrap_inner_call(0, self.model, (inputs,), kwargs)
+        else:
+            outputs = _run(self._plan, back, inputs, training, mask)
+        return self._for_the_loss(outputs, training)
+
+    def _for_the_loss(self, outputs, training):
+        """`outputs`, cast to float32 when `float32_outputs`; else, in
+        training code other than Keras's own train step, a warning (once)
+        when one of them is float16."""
+        if self.float32_outputs:
+            return tree.map_structure(_to_float32, outputs)
+        if training and not self._keras_train_step and not self._warned_float16_outputs:
+            names = _float16_outputs(self.model, outputs)
+            if names:
+                self._warned_float16_outputs = True
+                warnings.warn(
+                    f"Model {self.model.name!r} hands its training code float16 "
+                    f"outputs ({', '.join(names)}). A loss written by hand that "
+                    "sums or squares them over a batch can overflow float16 "
+                    "(65504) and read a constant with every gradient 0, "
+                    "without a non-finite value to skip. Compute the loss "
+                    "on `tf.cast(y_pred, 'float32')`, give the output layer "
+                    "dtype='float32', or pass `float32_outputs=True` to "
+                    "tf_als.instrument (the cast is exact).",
+                    stacklevel=3,
+                )
+        return outputs
 
     def compile(self, *args, **kwargs):
         own = own_steps.method(self.model, "compile", self, InstrumentedModel)
@@ -418,7 +449,30 @@ class InstrumentedModel(keras.Model):
         if spec is not None and getattr(self, "optimizer", None) is not None:
             # One trace of the train step instead of two.
             _keras.build_state_before_tracing(self, spec)
+        self._preflight(batches)
         return super().fit(**arguments)
+
+    def _preflight(self, batches):
+        """Before the first step of Keras's own train step: promotes the
+        layers whose float16 arithmetic fails on the first batch and
+        chooses a global scale it can apply with
+        (`AdaptiveLossScaleOptimizer.preflight`)."""
+        optimizer = getattr(self, "optimizer", None)
+        if (
+            batches is None
+            or not isinstance(optimizer, optimizer_module.AdaptiveLossScaleOptimizer)
+            or not optimizer.promote_on_storm
+            or getattr(self, "loss", None) is None
+            or own_steps.method(self.model, "train_step", self, InstrumentedModel)
+            is not None
+        ):
+            return
+        if optimizer.built and int(keras.ops.convert_to_numpy(optimizer.iterations)):
+            return
+        optimizer.preflight(self, batches, loss=self._compiled_loss)
+
+    def _compiled_loss(self, y, y_pred, sample_weight=None):
+        return self.compute_loss(y=y, y_pred=y_pred, sample_weight=sample_weight)
 
     def export(
         self, filepath, format="tf_saved_model", verbose=None, input_signature=None, **kwargs
@@ -476,6 +530,7 @@ class InstrumentedModel(keras.Model):
             "trainable": self.trainable,
             "model": keras.saving.serialize_keras_object(self.model),
             "promotions": [p.as_dict() for p in self.promotions],
+            "float32_outputs": self.float32_outputs,
         }
 
     @classmethod
@@ -488,6 +543,55 @@ class InstrumentedModel(keras.Model):
         instrumented = cls(model, **config)
         promote.restore(instrumented, promotions)
         return instrumented
+
+
+def _points_of(model) -> tuple:
+    """(the plan, the inner points) of `model`, checked: raises when it is
+    instrumented already or holds something tf_als cannot scale."""
+    if isinstance(model, InstrumentedModel):
+        raise ValueError(
+            f"Model {model.name!r} is already instrumented; pass it to "
+            "compile()/fit() as it is (instrumenting twice would scale "
+            "every gradient twice)."
+        )
+    if graph.is_subclassed(model):
+        _check_subclassed(model)
+        plan, inner = graph.empty_plan(model), _root_points(model)
+    else:
+        plan = graph.read(model)
+        _check_plan(plan)
+        inner = _inner_points(plan)
+    _check_inner(inner)
+    own_steps.check(model)
+    return plan, inner
+
+
+def _check_flag(name, value):
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be True or False; received {value!r}.")
+
+
+def _is_float16(value) -> bool:
+    """Whether `value` (a tensor, or a KerasTensor while Keras traces the
+    model symbolically) is float16."""
+    dtype = getattr(value, "dtype", None)
+    return dtype is not None and keras.backend.standardize_dtype(dtype) == "float16"
+
+
+def _to_float32(value):
+    return keras.ops.cast(value, "float32") if _is_float16(value) else value
+
+
+def _float16_outputs(model, outputs) -> list:
+    """Names of `model`'s outputs among `outputs` that are float16."""
+    flat = tree.flatten(outputs)
+    names = list(getattr(model, "output_names", None) or [])
+    if len(names) != len(flat):
+        names = [f"output {i}" for i in range(len(flat))]
+    return [
+        repr(name) for name, value in zip(names, flat)
+        if _is_float16(value)
+    ]
 
 
 # The arguments of Keras's `Model.fit`, read once (InstrumentedModel.fit

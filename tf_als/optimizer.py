@@ -4,6 +4,7 @@ it applies."""
 
 import difflib
 import inspect
+import itertools
 import math
 import numbers
 import warnings
@@ -16,8 +17,10 @@ import tensorflow as tf
 from tf_als import _keras
 from tf_als import config as config_module
 from tf_als import owners
+from tf_als import preflight as preflight_module
 from tf_als import promote
 from tf_als import schedule
+from tf_als import silent
 from tf_als import storm
 from tf_als import update
 
@@ -207,6 +210,10 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # Set once a loop calls check_skips with batches: an eager `apply`
         # then leaves the check (and the promotion) to the loop.
         self._loop_checks = False
+        # Whether the first batch was checked (`preflight`), and whether a
+        # global scale below 1 was looked into (`_promote_below_one`).
+        self._preflown = False
+        self._looked_below_one = False
         # While `apply` runs: (its gradients, their `_finite_flags`).
         self._checked = None
         # Weak references to the instrumented models whose variables the
@@ -440,6 +447,11 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def _stateful_handle_non_finite_grads(self):
         super()._stateful_handle_non_finite_grads()
+        # The floor: Keras halves for good, down to exactly 0, after which
+        # a finite step divides its gradients by 0.
+        self.dynamic_scale.assign(
+            tf.maximum(self.dynamic_scale, preflight_module.MIN_SCALE)
+        )
         self.consecutive_skips.assign_add(1)
         self._count_window(skipped=1)
 
@@ -498,13 +510,19 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """
         if batches is not None:
             self._loop_checks = True
-        if self.max_consecutive_skips is None or not self.built:
+        if not self.built:
             return []
+        for model in self.applied_models():
+            silent.warn_silent_failures(model, stacklevel=3)
+        if self.max_consecutive_skips is None:
+            return []
+        first = self._first_check(batches, loss)
+        if first:
+            return first
         skips = int(keras.ops.convert_to_numpy(self.consecutive_skips))
         if skips >= self.max_consecutive_skips:
             made, why = self._promote(batches, loss)
             if made:
-                self._resume_after_storm(skips)
                 return list(made)
             message = storm.describe(self, skips, attempted)
             if why is not None:
@@ -513,14 +531,42 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         window = int(keras.ops.convert_to_numpy(self.window_skips))
         if window >= self.max_consecutive_skips and not self._gave_up_on_window:
             return self._promote_on_frequent_skips(window, batches, loss)
-        return []
+        return self._promote_below_one(skips, batches, loss)
+
+    def _promote_below_one(self, skips, batches, loss) -> list:
+        """A skip took the global scale below 1: every gradient of the model
+        is now shrunk to serve one, usually a float16 model output that
+        cannot carry the loss's gradient (a float16 softmax under a
+        cross-entropy). Looks once for such a layer (`tf_als.preflight`)
+        and promotes it; says nothing when there is none (a model whose
+        gradients are large everywhere)."""
+        if skips == 0 or self._looked_below_one or batches is None or loss is None:
+            return []
+        if float(keras.ops.convert_to_numpy(self.dynamic_scale)) >= 1.0:
+            return []
+        self._looked_below_one = True
+        made, _ = self._promote(batches, loss)
+        return list(made)
+
+    def _first_check(self, batches, loss) -> list:
+        """In a custom loop, the first `check_skips` with batches and the
+        loss, on one of the first two steps, runs the preflight `fit` runs
+        before its first step (`preflight`)."""
+        if self._preflown or batches is None or loss is None:
+            return []
+        self._preflown = True
+        models = self.applied_models()
+        step = int(keras.ops.convert_to_numpy(self.iterations))
+        if not self.promote_on_storm or len(models) != 1 or step > 1:
+            return []
+        made, _ = self.preflight(models[0], batches, loss)
+        return list(made)
 
     def _promote_on_frequent_skips(self, window, batches, loss):
         """Half the steps of the window skipped, not in a row (a layer that
         overflows on some batches): promote, or say once why not."""
         made, why = self._promote(batches, loss)
         if made:
-            self._resume_after_storm(window)
             return list(made)
         self._gave_up_on_window = True
         steps = int(keras.ops.convert_to_numpy(self.window_steps))
@@ -540,7 +586,9 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return [m for m in (r() for r in self._applied_models) if m is not None]
 
     def _promote(self, batches, loss):
-        """(promotions made, why none or not enough) for the storm now."""
+        """(promotions made, why none or not enough) for the storm now:
+        `tf_als.preflight` on up to 8 of `batches`, and the global scale
+        re-calibrated on them."""
         models = self.applied_models()
         if not self.promote_on_storm or not models:
             return (), None
@@ -550,25 +598,55 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 f"this optimizer trains several instrumented models ({names}), "
                 "and re-running batches needs one model from inputs to loss"
             )
-        model = models[0]
         if batches is None:
             return (), "no training batches were given to re-run"
-        step = int(keras.ops.convert_to_numpy(self.iterations))
-        if int(keras.ops.convert_to_numpy(self.first_non_finite)[2]) == 0:
-            inputs = batches if loss is None else _inputs_of(batches)
-            made, why = promote.rescue(model, inputs, step)
-        elif loss is None:
+        loss_finite = int(keras.ops.convert_to_numpy(self.first_non_finite)[2])
+        if loss is None and loss_finite != 0:
             return (), (
                 "the loss was finite at the first skipped step, so the "
                 "backward pass failed, and re-running it needs the loss "
                 "(pass `loss=` and batches of `(x, y)` to check_skips)"
             )
-        else:
-            scale = float(keras.ops.convert_to_numpy(self.dynamic_scale))
-            made, why = promote.rescue_backward(
-                model, _triples_of(batches), _loss_function(loss), scale, step
+        made, why = self.preflight(models[0], batches, loss, limit=8)
+        if not made and why is None:
+            why = (
+                "an eager re-run of the training batches found no layer whose "
+                "float16 arithmetic fails (the data may hold NaN or inf, or "
+                "the failing batches or dropout draws differ), so no layer "
+                "was promoted to float32"
             )
-        for promotion in made:
+        if why is not None and made:
+            return (), why + " (promoted so far: " + ", ".join(
+                repr(p.layer) for p in promote.promoted(models[0])
+            ) + ")"
+        return made, why
+
+    def preflight(self, model, batches, loss=None, limit: int = 1) -> tuple:
+        """Runs `tf_als.preflight` on up to `limit` of `batches` (a callable
+        returning `(x, y[, sample_weight])` tuples, or input batches when
+        `loss` is None): promotes the layers of `model` whose float16
+        arithmetic fails on them, with a warning each, and sets the global
+        scale to the largest power of two, at most `initial_scale`, at
+        which their gradients are finite. `fit` calls it on the first batch
+        before the first step; a storm calls it through `check_skips`.
+
+        Returns:
+            (the promotions made; why a failure was left unpromoted, or
+            None).
+        """
+        self._build_once(model.trainable_variables)
+        self._preflown = True
+        step = int(keras.ops.convert_to_numpy(self.iterations))
+        loss_fn = None if loss is None else _loss_function(loss)
+        triples = _triples_of(batches) if loss is not None else _inputs_only(batches)
+        outcome = preflight_module.run(
+            model,
+            itertools.islice(triples(), limit),
+            loss_fn,
+            self.initial_scale,
+            step,
+        )
+        for promotion in outcome.promotions:
             warnings.warn(
                 f"tf_als promoted layer {promotion.layer!r} to float32 at step "
                 f"{promotion.step}: {promotion.reason}. Training goes on "
@@ -576,24 +654,27 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 "promotions).",
                 stacklevel=4,
             )
-        if why is not None and made:
-            return (), why + " (promoted so far: " + ", ".join(
-                repr(p.layer) for p in promote.promoted(model)
-            ) + ")"
-        return made, why
+        if outcome.promotions or step == 0:
+            self._restart(model, outcome.scale)
+        return outcome.promotions, outcome.stopped
 
-    def _resume_after_storm(self, skips):
-        """After a promotion: the global scale goes back to where it was
-        before the skips (they were the layer's fault, not the scale's),
-        and the skip counts are forgotten."""
-        scale = float(keras.ops.convert_to_numpy(self.dynamic_scale))
-        self.dynamic_scale.assign(min(self.initial_scale, scale * 2.0**skips))
+    def _restart(self, model, scale):
+        """Sets the global scale to `scale` (None: where it was before the
+        skips) and forgets the skip counts; the next backward pass of
+        `model` reads the new back-off."""
+        if scale is None:
+            skips = int(keras.ops.convert_to_numpy(self.consecutive_skips))
+            current = float(keras.ops.convert_to_numpy(self.dynamic_scale))
+            scale = min(self.initial_scale, current * 2.0**skips)
+        self.dynamic_scale.assign(max(scale, preflight_module.MIN_SCALE))
         self.step_counter.assign(0)
         self.consecutive_skips.assign(0)
         self.window_steps.assign(0)
         self.window_skips.assign(0)
         self.loss_finite.assign(-1)
         self.first_non_finite.assign([-1, -1, -1])
+        self._looked_below_one = False
+        self._schedule(model)
 
     def scale_loss(self, loss: tf.Tensor) -> tf.Tensor:
         """Multiplies `loss` by the global scale S (and records whether the
@@ -761,9 +842,9 @@ def _triples_of(batches):
     )
 
 
-def _inputs_of(batches):
-    """The inputs of `batches` of `(x, y[, sample_weight])`."""
-    return lambda: (x for x, _, _ in _triples_of(batches)())
+def _inputs_only(batches):
+    """Input `batches` as `(x, None, None)` triples."""
+    return lambda: ((x, None, None) for x in batches())
 
 
 def _loss_function(loss):

@@ -1,27 +1,17 @@
-"""Self-healing float16: when a run's float16 arithmetic fails in one layer,
-that layer is switched to float32 and training carries on.
+"""Switching the layers whose float16 arithmetic fails to float32.
 
-`AdaptiveLossScaleOptimizer(promote_on_storm=True)` calls on this module
-where the run would otherwise stop or stall: `max_consecutive_skips` skipped
-steps in a row, or as many within twice that many steps.
+`tf_als.preflight` finds them, on the first batch before any step is lost
+and again where a run would stop or stall (`max_consecutive_skips` skipped
+steps in a row, or as many within twice that many steps); this module
+promotes them and keeps the record.
 
-- When the loss itself was not finite, no loss scale can help: the float16
-  forward pass overflowed. `rescue` re-runs training batches eagerly
-  (`tf_als.forward`) and blames the first layer whose float16 output is not
-  finite while its inputs are.
-- When the loss was finite, the backward pass failed. `rescue_backward`
-  re-runs training batches eagerly at the global scale the run fell to,
-  without per-layer scales (`tf_als.backward_search`), and blames the first
-  layer, walking from the loss, whose backward pass turns a finite gradient
-  into a non-finite one, or the layer whose float16 output cannot carry the
-  loss's gradient (a float16 softmax under a cross-entropy).
-
-The blamed layer gets the `"float32"` dtype policy: its variables are
+A promoted layer gets the `"float32"` dtype policy: its variables are
 float32 already, so no state changes; it now computes in float32, with casts
-at its boundary as Keras makes for any float32 layer. This repeats on the
-same batches until they are finite, within a cap of 10% of the model's
-layers with weights; a promotion after which the same layer is blamed again
-is undone.
+at its boundary as Keras makes for any float32 layer: the one-line fix an
+expert applies by hand. Every layer found is promoted at once, so layers of
+one class that fail for one reason (three hand-written normalisations)
+go together. The cap is on failures, not layers: at most `MAX_FAILURES`
+distinct (layer class, kind of reason) pairs per model.
 
 The promoted layers are listed by `promoted(model)`, saved with the model
 (`model.save` keeps each layer's dtype policy and the list), and reported
@@ -30,19 +20,23 @@ by `tf_als.callbacks.ScaleHistory`.
 
 import dataclasses
 import json
-import math
-from typing import Callable, Iterable, Optional
+from typing import Iterable, Optional
 
 import keras
 import tensorflow as tf
 
 from tf_als import _keras
-from tf_als import backward_search
-from tf_als import forward
 
-MAX_PROMOTED_FRACTION = 0.1
+# How many distinct failures (a layer class and a kind of reason) a model
+# may promote. Every layer of a failure is promoted, however many: the cap
+# protects the healthy layers from a search that keeps finding things.
+MAX_FAILURES = 4
 FORWARD = "float16 forward output not finite"
+STRAYS = "float16 forward output strays from float32's"
+TARGETS = "float16 output cannot reach its targets"
+LOSS = "the loss computed from its float16 output differs from float32's"
 BACKWARD = "float16 backward pass not finite"
+KINDS = (FORWARD, STRAYS, TARGETS, LOSS, BACKWARD)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,9 +45,13 @@ class Promotion:
 
     Attributes:
         layer: the layer's path in the model (`layer.path`).
-        reason: why: `FORWARD` (its float16 output was not finite while
-            its inputs were), or `BACKWARD` and which part of its backward
-            pass was not finite while the gradient reaching it was.
+        reason: why, beginning with one of `KINDS`: `FORWARD` (its float16
+            output was not finite while float32's was), `STRAYS` (finite,
+            but far from float32's), `TARGETS` (a float16 model output
+            whose targets float16 cannot hold), `LOSS` (the training loss
+            on this model output overflows in float16: a sum over the
+            outputs of a batch) or `BACKWARD` (which part of
+            its backward pass was not finite at every loss scale).
         step: the optimizer step (`iterations`) at which it was promoted.
     """
 
@@ -95,161 +93,58 @@ def promoted(model: keras.Model) -> list:
     return list(getattr(model, "promotions", ()))
 
 
-def limit(model: keras.Model) -> int:
-    """How many layers `model` may promote: 10% of its layers with weights,
-    and at least one."""
-    weighted = [
-        layer
-        for layer in _keras.sublayers(model.model, recursive=True)
-        if layer.weights and not _keras.sublayers(layer, recursive=False)
-    ]
-    return max(1, math.floor(MAX_PROMOTED_FRACTION * len(weighted)))
+def failures(model: keras.Model) -> set:
+    """The distinct failures promoted so far on `model`: (layer class, kind
+    of reason) pairs. Layers of one class that fail for one reason are one
+    failure, however many there are."""
+    found = set()
+    for promotion in model.promotions:
+        layer = _layer_at(model.model, promotion.layer)
+        found.add((type(layer).__name__, kind(promotion.reason)))
+    return found
 
 
-def rescue(
-    model: keras.Model,
-    batches: Callable[[], Iterable],
-    step: int,
-    max_batches: int = 8,
-) -> tuple:
-    """Promotes the layers whose float16 forward output is not finite on
-    the training batches, one at a time, until the forward pass is finite.
+def kind(reason: str) -> str:
+    """The kind of a promotion's reason: one of `KINDS`."""
+    return next((k for k in KINDS if reason.startswith(k)), reason)
 
-    Args:
-        model: the instrumented model.
-        batches: callable returning an iterable of input batches.
-        step: the optimizer step, for the record.
-        max_batches: how many batches to re-run at most.
+
+def promote_all(model: keras.Model, findings, step: int) -> tuple:
+    """Switches the layers of `findings` (`tf_als.preflight.Finding`s:
+    layer path and reason) to float32, all of them, within the cap of
+    `MAX_FAILURES` distinct failures.
 
     Returns:
-        (the new `Promotion`s, in order; why the rescue stopped short, or
-        None when the forward pass is finite again). With no promotion the
-        reason says why (nothing found, or the cap).
+        (the new `Promotion`s, in order; why a finding was left
+        unpromoted, or None).
     """
-
-    def find():
-        culprit = forward.search(model.model, batches(), limit=max_batches)
-        return None if culprit is None else (culprit, FORWARD)
-
-    return _promote_until_finite(
-        model,
-        find,
-        step,
-        nothing_found=(
-            "an eager re-run on the training batches found no layer whose "
-            "float16 output is not finite while its inputs are (the data "
-            "may hold NaN or inf, or the failing batches or dropout draws "
-            "differ), so no layer was promoted to float32"
-        ),
-    )
-
-
-def rescue_backward(
-    model: keras.Model,
-    batches: Callable[[], Iterable],
-    loss_fn: Callable,
-    scale: float,
-    step: int,
-    max_batches: int = 8,
-) -> tuple:
-    """Promotes the layers whose float16 backward pass turns a finite
-    gradient into a non-finite one, one at a time, until the gradients of
-    the training batches are finite at `scale` (`tf_als.backward_search`,
-    on the plain layers: no per-layer scales).
-
-    Args:
-        model: the instrumented model.
-        batches: callable returning an iterable of `(x, y, sample_weight)`.
-        loss_fn: `loss_fn(x, y, y_pred, sample_weight)`, the scalar loss.
-        scale: the loss scale to re-run at (the global scale the run fell
-            to).
-        step: the optimizer step, for the record.
-        max_batches: how many batches to re-run at most.
-
-    Returns:
-        As `rescue`.
-    """
-
-    def find():
-        finding = backward_search.search(
-            model.model, loss_fn, batches(), scale, limit=max_batches
-        )
-        if finding is None:
-            return None
-        if finding.layer is None:
-            return (None, f"not finite: {finding.what}")
-        return (finding.layer, f"{BACKWARD} ({finding.what})")
-
-    return _promote_until_finite(
-        model,
-        find,
-        step,
-        nothing_found=(
-            f"an eager re-run on the training batches at the global scale "
-            f"{scale:g}, without per-layer scales, found every gradient "
-            "finite (the skipped steps came from the per-layer scales, or "
-            "the failing batches or dropout draws differ), so no layer was "
-            "promoted to float32"
-        ),
-    )
-
-
-def _promote_until_finite(model, find, step, nothing_found) -> tuple:
-    """Promotes what `find()` blames ((layer path or None, reason), or None
-    when all is finite) until it blames nothing, or a layer that computes
-    in float32 already.
-
-    A promotion after which the same layer is blamed for the same reason
-    did not help and is undone. When a promoted layer is blamed for
-    something else (a float32 layer handing its float16 neighbour a
-    gradient too large for the global scale the run fell to, say), the
-    promotion did its work: what remains is the loss scale's to fix.
-    """
-    made, previous = [], {}
-    room = limit(model) - len(promoted(model))
-    while True:
-        found = find()
-        if found is None:
-            return (tuple(made), None) if made else ((), nothing_found)
-        culprit, reason = found
-        if culprit is None:
-            return tuple(made), f"no layer is to blame ({reason})"
-        layer = _layer_at(model.model, culprit)
+    made = []
+    for finding in findings:
+        layer = _layer_at(model.model, finding.layer)
         if layer is None:
-            return tuple(made), f"layer {culprit!r} is not a layer of the model"
+            return tuple(made), f"layer {finding.layer!r} is not a layer of the model"
         if layer.compute_dtype == "float32":
-            last = made[-1] if made else None
-            if last is not None and (last.layer, last.reason) != found:
-                return tuple(made), None
-            if last is None:
-                return (), (
-                    f"layer {culprit!r} computes in float32 already "
-                    f"({reason}), so promoting it cannot help"
-                )
-            _undo(model, layer, made.pop(), previous[culprit])
             return tuple(made), (
-                f"layer {culprit!r} is not finite in float32 either "
-                f"({reason}), so promoting it cannot help"
+                f"layer {finding.layer!r} computes in float32 already "
+                f"({finding.reason}), so promoting it cannot help"
             )
-        if room <= 0:
+        key = (type(layer).__name__, kind(finding.reason))
+        known = failures(model)
+        if key not in known and len(known) >= MAX_FAILURES:
             return tuple(made), (
-                f"layer {culprit!r} would also need float32 ({reason}), past "
-                f"the cap of {limit(model)} promoted layers (10% of the "
-                "layers with weights)"
+                f"layer {finding.layer!r} would also need float32 "
+                f"({finding.reason}), past the cap of {MAX_FAILURES} distinct "
+                "failures (a layer class and a reason each; promoted so far: "
+                + ", ".join(repr(p.layer) for p in model.promotions)
+                + "); a model failing in more ways than that needs a look, "
+                "not more float32"
             )
-        previous[culprit] = layer.dtype_policy.name
         _keras.set_dtype_policy(layer, "float32")
-        promotion = Promotion(layer=culprit, reason=reason, step=step)
+        promotion = Promotion(layer=finding.layer, reason=finding.reason, step=step)
         model.promotions.append(promotion)
-        _log(model)
         made.append(promotion)
-        room -= 1
-
-
-def _undo(model, layer, promotion, policy):
-    _keras.set_dtype_policy(layer, policy)
-    model.promotions.remove(promotion)
     _log(model)
+    return tuple(made), None
 
 
 def restore(model: keras.Model, records: Iterable[dict]) -> None:

@@ -1,0 +1,373 @@
+"""Float16 failures of the kind users report, rebuilt small, and four ways
+to train each: float32, Keras's `LossScaleOptimizer`, the one-line fix an
+expert applies by hand (with Keras's optimizer), and tf_als with its
+defaults.
+
+Every case builds its model under the current policy from a seed, trains
+it on fixed synthetic batches and scores it on held-out ones:
+
+- `dollars`: a regression on prices (targets 50,000-500,000) through a
+  float16 output Dense. Its output must reach values float16 cannot hold
+  (65504). Fix: the output Dense in float32.
+- `instance_norm`: a small segmentation network with three hand-written
+  instance normalisations (`tf.reduce_mean` over 256x256 maps). In float16
+  the count 65,536 is inf: a positive map's mean is inf / inf = NaN, a
+  centred one's mean and variance read 0. Fix: the norms in float32.
+- `soft_dice`: a soft-Dice loss summed over the float16 outputs of a
+  batch of 256x256 maps, in a custom loop. The sum overflows, the loss sits
+  at 1.0 and every gradient is 0; nothing is skipped. Fix: the loss on
+  float32 outputs.
+- `softmax_top`: keras.applications EfficientNetV2B0 (random weights) with
+  its float16 softmax classifier under a cross-entropy on probabilities.
+  Fix: the classifier in float32.
+
+`run(case, method, seed)` returns a `Result`; `benchmarks/failures.py`
+prints the table, `tests/test_failures.py` checks it.
+"""
+
+import dataclasses
+import warnings
+from typing import Callable
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tf_als
+
+layers = keras.layers
+METHODS = ("float32", "keras", "fix", "tf_als")
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """One training run.
+
+    Attributes:
+        metric: the held-out metric (R2 or IoU or accuracy; higher is better;
+            NaN when the weights are not finite).
+        skipped: steps skipped (batches run minus steps applied).
+        promoted: paths of the layers promoted to float32 (tf_als only).
+        scale: the final global loss scale (1.0 for float32).
+        warned: the messages of the warnings the run raised.
+    """
+
+    metric: float
+    skipped: int
+    promoted: tuple
+    scale: float
+    warned: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """A failure, rebuilt.
+
+    Attributes:
+        name: the case's name.
+        build: `build(fix)` -> uncompiled model under the current policy
+            (`fix`: the manual fix applied).
+        data: `data(seed)` -> (train batches [(x, y)], held-out (x, y)).
+        loss: the training loss, `loss(y, y_pred)`.
+        metric: `metric(y, y_pred)` -> float, higher is better.
+        optimizer: `optimizer()` -> a fresh inner optimizer.
+        epochs: passes over the train batches.
+        custom_loop: train with a GradientTape loop instead of `fit`.
+        fixed_loss: the loss the manual fix uses (None: `loss`).
+    """
+
+    name: str
+    build: Callable
+    data: Callable
+    loss: Callable
+    metric: Callable
+    optimizer: Callable
+    epochs: int = 1
+    custom_loop: bool = False
+    fixed_loss: Callable = None
+
+
+# -- dollars ------------------------------------------------------------
+
+
+def _dollars_build(fix):
+    inputs = keras.Input((8,))
+    x = layers.Dense(32, activation="relu", name="hidden_1")(inputs)
+    x = layers.Dense(16, activation="relu", name="hidden_2")(x)
+    outputs = layers.Dense(1, name="price", dtype="float32" if fix else None)(x)
+    return keras.Model(inputs, outputs)
+
+
+def _dollars_data(seed):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(640, 8)).astype("float32")
+    w = rng.uniform(0.5, 1.5, size=(8,)).astype("float32")
+    price = 250_000 + 60_000 * (x @ w) / np.sqrt(8) + 20_000 * np.tanh(x[:, 0] * x[:, 1])
+    y = np.clip(price, 50_000, 500_000).astype("float32")[:, None]
+    batches = [(x[i : i + 32], y[i : i + 32]) for i in range(0, 512, 32)]
+    return batches, (x[512:], y[512:])
+
+
+def _r2(y, y_pred):
+    y, y_pred = np.asarray(y, "float64"), np.asarray(y_pred, "float64")
+    if not np.all(np.isfinite(y_pred)):
+        return float("nan")
+    return float(1 - np.sum((y - y_pred) ** 2) / np.sum((y - y.mean()) ** 2))
+
+
+DOLLARS = Case(
+    name="dollars",
+    build=_dollars_build,
+    data=_dollars_data,
+    loss=keras.losses.MeanSquaredError(),
+    metric=_r2,
+    optimizer=lambda: keras.optimizers.Adam(3.0),
+    epochs=30,
+)
+
+
+# -- instance_norm and soft_dice ------------------------------------------
+
+
+class HandInstanceNorm(layers.Layer):
+    """Instance normalisation written by hand, as users write it: mean and
+    variance over the spatial axes with `tf.reduce_mean`, in the layer's
+    compute dtype, then a learned scale and offset."""
+
+    def build(self, input_shape):
+        channels = input_shape[-1]
+        self.gamma = self.add_weight(shape=(channels,), initializer="ones", name="gamma")
+        self.beta = self.add_weight(shape=(channels,), initializer="zeros", name="beta")
+
+    def call(self, x):
+        mean = tf.reduce_mean(x, axis=[1, 2], keepdims=True)
+        variance = tf.reduce_mean(tf.square(x - mean), axis=[1, 2], keepdims=True)
+        normalised = (x - mean) * tf.math.rsqrt(variance + 1e-5)
+        return normalised * tf.cast(self.gamma, x.dtype) + tf.cast(self.beta, x.dtype)
+
+
+def _segmenter(fix_norms, float32_head=True):
+    inputs = keras.Input((256, 256, 1))
+    x = inputs
+    for i in range(3):
+        x = layers.Conv2D(4, 3, padding="same", name=f"conv_{i}")(x)
+        x = HandInstanceNorm(name=f"norm_{i}", dtype="float32" if fix_norms else None)(x)
+        x = layers.Activation("relu")(x)
+    outputs = layers.Conv2D(
+        1,
+        1,
+        activation="sigmoid",
+        name="mask",
+        dtype="float32" if float32_head else None,
+    )(x)
+    return keras.Model(inputs, outputs)
+
+
+def _discs(seed, count):
+    """Images of noisy discs on a textured background, and their masks."""
+    rng = np.random.default_rng(seed)
+    grid = np.mgrid[0:256, 0:256].transpose(1, 2, 0)
+    x = np.empty((count, 256, 256, 1), "float32")
+    y = np.empty((count, 256, 256, 1), "float32")
+    for i in range(count):
+        centre = rng.uniform(64, 192, size=2)
+        radius = rng.uniform(24, 64)
+        mask = np.sum((grid - centre) ** 2, axis=-1) < radius**2
+        image = 0.4 * mask + rng.normal(0, 0.25, size=(256, 256)) + 0.3
+        x[i, ..., 0], y[i, ..., 0] = image, mask
+    return x, y
+
+
+def _segmentation_data(seed, batch=2, train=24):
+    x, y = _discs(seed, train + 8)
+    batches = [(x[i : i + batch], y[i : i + batch]) for i in range(0, train, batch)]
+    return batches, (x[train:], y[train:])
+
+
+def _iou(y, y_pred):
+    y_pred = np.asarray(y_pred, "float32")
+    if not np.all(np.isfinite(y_pred)):
+        return float("nan")
+    predicted, truth = y_pred > 0.5, np.asarray(y) > 0.5
+    union = np.logical_or(predicted, truth).sum()
+    return float(np.logical_and(predicted, truth).sum() / max(union, 1))
+
+
+INSTANCE_NORM = Case(
+    name="instance_norm",
+    build=lambda fix: _segmenter(fix_norms=fix),
+    data=_segmentation_data,
+    loss=keras.losses.BinaryCrossentropy(),
+    metric=_iou,
+    optimizer=lambda: keras.optimizers.Adam(1e-2),
+    epochs=6,
+)
+
+
+def soft_dice(y, y_pred):
+    """1 - 2 |y p| / (|y| + |p|), summed over the whole batch in y_pred's
+    dtype (as users write it)."""
+    y = tf.cast(y, y_pred.dtype)
+    overlap = tf.reduce_sum(y * y_pred)
+    total = tf.reduce_sum(y) + tf.reduce_sum(y_pred)
+    return 1.0 - (2.0 * overlap + 1.0) / (total + 1.0)
+
+
+def soft_dice_float32(y, y_pred):
+    """The manual fix: the same loss on float32 outputs."""
+    return soft_dice(y, tf.cast(y_pred, "float32"))
+
+
+SOFT_DICE = Case(
+    name="soft_dice",
+    build=lambda fix: _segmenter(fix_norms=True, float32_head=False),
+    data=lambda seed: _segmentation_data(seed, batch=4),
+    loss=soft_dice,
+    metric=_iou,
+    optimizer=lambda: keras.optimizers.Adam(1e-2),
+    epochs=6,
+    custom_loop=True,
+    fixed_loss=soft_dice_float32,
+)
+
+
+# -- softmax_top -----------------------------------------------------------
+
+
+def _efficientnet_build(fix):
+    model = keras.applications.EfficientNetV2B0(
+        weights=None,
+        input_shape=(32, 32, 3),
+        classes=100,
+        include_preprocessing=False,
+    )
+    if fix:
+        keras.config  # noqa: B018 (keeps the import visible)
+        top = model.get_layer("predictions")
+        top.dtype_policy = keras.DTypePolicy("float32")
+    return model
+
+
+def _image_classes(seed, classes=100):
+    rng = np.random.default_rng(seed)
+    prototypes = rng.normal(size=(classes, 32, 32, 3)).astype("float32")
+    labels = rng.integers(0, classes, size=(24 * 8 + 64,))
+    images = prototypes[labels] + rng.normal(0, 1.0, size=(len(labels), 32, 32, 3))
+    x, y = images.astype("float32"), labels.astype("int32")
+    batches = [(x[i : i + 8], y[i : i + 8]) for i in range(0, 24 * 8, 8)]
+    return batches, (x[24 * 8 :], y[24 * 8 :])
+
+
+def _accuracy(y, y_pred):
+    y_pred = np.asarray(y_pred, "float32")
+    if not np.all(np.isfinite(y_pred)):
+        return float("nan")
+    return float(np.mean(np.argmax(y_pred, axis=-1) == np.asarray(y)))
+
+
+SOFTMAX_TOP = Case(
+    name="softmax_top",
+    build=_efficientnet_build,
+    data=_image_classes,
+    loss=keras.losses.SparseCategoricalCrossentropy(),
+    metric=_accuracy,
+    optimizer=lambda: keras.optimizers.Adam(1e-3),
+    epochs=1,
+)
+
+CASES = {c.name: c for c in (DOLLARS, INSTANCE_NORM, SOFT_DICE, SOFTMAX_TOP)}
+
+
+# -- running ------------------------------------------------------------
+
+
+def run(case: Case, method: str, seed: int, **tf_als_options) -> Result:
+    """Trains `case` one way (`METHODS`) from seed `seed`'s weights and
+    batches; every method starts from the same weights."""
+    if method not in METHODS:
+        raise ValueError(f"`method` must be one of {METHODS}; received {method!r}.")
+    batches, (x_test, y_test) = case.data(seed)
+    model = _build(case, method, seed)
+    loss = case.fixed_loss if (method == "fix" and case.fixed_loss) else case.loss
+    optimizer = _optimizer(case, method, tf_als_options)
+    if method == "tf_als":
+        model = tf_als.instrument(model, **_instrument_options(tf_als_options))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if case.custom_loop:
+            _custom_loop(model, optimizer, loss, batches, case.epochs)
+        else:
+            _fit(model, optimizer, loss, batches, case.epochs)
+    applied = int(optimizer.iterations.numpy())
+    scale = 1.0
+    if method != "float32":
+        scale = float(keras.ops.convert_to_numpy(optimizer.dynamic_scale))
+    promoted = ()
+    if method == "tf_als":
+        promoted = tuple(p.layer for p in tf_als.promoted(model))
+    y_pred = model.predict(x_test, batch_size=8, verbose=0)
+    return Result(
+        metric=case.metric(y_test, y_pred),
+        skipped=len(batches) * case.epochs - applied,
+        promoted=promoted,
+        scale=scale,
+        warned=tuple(
+            str(w.message) for w in caught if not issubclass(w.category, DeprecationWarning)
+        ),
+    )
+
+
+def _instrument_options(options):
+    return {k: options.pop(k) for k in ("float32_outputs",) if k in options}
+
+
+def _build(case, method, seed):
+    keras.mixed_precision.set_global_policy("float32")
+    keras.utils.set_random_seed(seed)
+    reference = case.build(False)
+    if method == "float32":
+        return reference
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    keras.utils.set_random_seed(seed)
+    model = case.build(method == "fix")
+    model.set_weights(reference.get_weights())
+    keras.mixed_precision.set_global_policy("float32")
+    return model
+
+
+def _optimizer(case, method, options):
+    inner = case.optimizer()
+    if method == "float32":
+        return inner
+    if method == "tf_als":
+        return tf_als.AdaptiveLossScaleOptimizer(inner, **options)
+    return keras.optimizers.LossScaleOptimizer(inner)
+
+
+def _fit(model, optimizer, loss, batches, epochs):
+    x = np.concatenate([b[0] for b in batches])
+    y = np.concatenate([b[1] for b in batches])
+    model.compile(optimizer=optimizer, loss=loss, jit_compile=False)
+    model.fit(x, y, batch_size=len(batches[0][0]), epochs=epochs, shuffle=False, verbose=0)
+
+
+def _custom_loop(model, optimizer, loss, batches, epochs):
+    if isinstance(model, tf_als.InstrumentedModel):
+        model.compile(optimizer=optimizer)
+    scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            value = loss(y, model(x, training=True))
+            if scaled:
+                value = optimizer.scale_loss(value)
+        grads = tape.gradient(value, model.trainable_variables)
+        optimizer.apply(grads, model.trainable_variables)
+
+    for _ in range(epochs):
+        for x, y in batches:
+            step(x, y)
+            if isinstance(optimizer, tf_als.AdaptiveLossScaleOptimizer):
+                if optimizer.check_skips(batches=lambda: [(x, y)], loss=loss):
+                    step = tf.function(step.python_function)

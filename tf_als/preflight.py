@@ -1,0 +1,361 @@
+"""Before a step is lost: the layers whose float16 arithmetic fails on a
+real batch, and the global loss scale a step can apply with.
+
+`fit` on an instrumented model runs `check` on its first batch before the
+first step; `AdaptiveLossScaleOptimizer.check_skips` runs it in a custom
+loop that hands it batches and the loss, and after every promotion made on
+a storm of skipped steps. All of it is eager, on the plain layers, and
+leaves the model's state (BatchNormalization statistics, seeds) as it
+found it:
+
+1. **Forward.** The batch runs once in the model's precision; then every
+   leaf layer with weights that computes in float16 runs again in float32
+   on the very inputs it received. It fails when its float16 output is not
+   finite while float32's is, or strays from float32's by more than
+   `RELATIVE_ERROR` of float32's largest magnitude (a hand-written
+   normalisation whose float16 count overflowed reads a mean and variance
+   of 0: finite, and wrong). A model output computed in float16 fails when
+   its targets reach float16's maximum over `TARGET_FACTOR`: it has to reach
+   them.
+2. **Backward.** The loss's gradients at the global scale S. When they are
+   not finite, S is bisected down (powers of two, to `MIN_SCALE`) to the
+   largest at which they are. When none is, the layer whose float16
+   backward turns a finite gradient into a non-finite one at `MIN_SCALE`
+   fails (`tf_als.backward_search`).
+3. Failing layers are promoted (`tf_als.promote`), every one found at
+   once, and the check runs again, until nothing fails or the cap on
+   failures is reached; then S is set.
+
+A healthy model costs one eager forward pass, one float32 re-run of each
+leaf layer and one backward pass, on one batch, once.
+"""
+
+import dataclasses
+import math
+from typing import Callable, Iterable, Optional
+
+import keras
+import tensorflow as tf
+
+from tf_als import _keras
+from tf_als import backward_search
+from tf_als import forward
+from tf_als import promote
+
+FLOAT16_MAX = 65504.0
+# A float16 layer output may stray from the float32 re-run of the same
+# layer on the same inputs by this share of the re-run's largest magnitude.
+# Float16 rounds to 2**-11; a layer's own accumulation adds a few ulps of
+# its output's range; a count that overflowed (a mean read as 0) is off by
+# the whole range.
+RELATIVE_ERROR = 2.0**-4
+# A float16 model output fails when its targets reach FLOAT16_MAX / this:
+# half of float16's range leaves too little for the layer's own sums on the
+# way (a Dense adds its bias to a product that may pass the result).
+TARGET_FACTOR = 2.0
+# The smallest global scale tried (and the optimizer's floor).
+MIN_SCALE = 2.0**-24
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """A layer call that fails in float16 on the batch.
+
+    Attributes:
+        layer: the layer's path.
+        reason: why, in words (`promote.Promotion.reason`).
+    """
+
+    layer: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What `check` did.
+
+    Attributes:
+        promotions: the `promote.Promotion`s made, in order.
+        scale: the global scale chosen (None: the batch's gradients are not
+            finite at any scale, or the loss itself is not).
+        stopped: why a failure was left unpromoted (the cap, or a failure
+            no promotion can help), or None.
+    """
+
+    promotions: tuple
+    scale: Optional[float]
+    stopped: Optional[str]
+
+
+def run(
+    model: keras.Model,
+    batches: Iterable,
+    loss_fn: Optional[Callable],
+    scale: float,
+    step: int,
+) -> Outcome:
+    """`check` on each of `batches` in turn; the outcome's scale is the
+    smallest chosen over them (None when none was: without `loss_fn`, or
+    when no batch's gradients are finite at any scale)."""
+    made, scales, stopped = [], [], None
+    for batch in batches:
+        outcome = check(model, batch, loss_fn, scale, step)
+        made.extend(outcome.promotions)
+        if outcome.scale is not None:
+            scales.append(outcome.scale)
+        stopped = outcome.stopped
+        if stopped is not None:
+            break
+    return Outcome(tuple(made), min(scales) if scales else None, stopped)
+
+
+def check(
+    model: keras.Model,
+    batch: tuple,
+    loss_fn: Optional[Callable],
+    scale: float,
+    step: int,
+    training: bool = True,
+) -> Outcome:
+    """Finds and promotes the layers of `model` whose float16 arithmetic
+    fails on `batch`, then finds the largest power of two at most `scale`
+    at which the batch's gradients are finite.
+
+    Args:
+        model: the instrumented model (its plain layers are run).
+        batch: `(x, y, sample_weight)`.
+        loss_fn: `loss_fn(x, y, y_pred, sample_weight)`, the scalar loss;
+            None checks the forward pass only.
+        scale: the global scale to start from (the optimizer's initial
+            scale).
+        step: the optimizer step, for the promotions' record.
+        training: the `training` argument of the forward pass.
+
+    Returns:
+        An `Outcome`.
+
+    Example:
+
+    ```python
+    outcome = tf_als.preflight.check(model, (x, y, None), loss_fn,
+                                     scale=2.0**15, step=0)
+    outcome.promotions  # (Promotion(layer='price', ...),)
+    outcome.scale       # 0.0001220703125
+    ```
+    """
+    made = []
+    while True:
+        findings = forward_failures(model.model, batch, training, loss_fn)
+        chosen = None
+        if not findings and loss_fn is not None:
+            chosen, findings = _calibrate(model.model, batch, loss_fn, scale, training)
+        if not findings:
+            return Outcome(tuple(made), chosen, None)
+        new, stopped = promote.promote_all(model, findings, step)
+        made.extend(new)
+        if stopped is not None or not new:
+            return Outcome(tuple(made), chosen, stopped)
+
+
+def forward_failures(
+    model: keras.Model,
+    batch: tuple,
+    training: bool = True,
+    loss_fn: Optional[Callable] = None,
+) -> list:
+    """The `Finding`s of `model`'s float16 forward pass on `batch` (see the
+    module's docstring), and with `loss_fn`, of its loss; [] when none
+    fails."""
+    x, y, sample_weight = batch
+    calls = []
+
+    def observe(layer, arguments, outputs):
+        calls.append((layer, arguments, outputs))
+
+    with forward.preserved(model.non_trainable_variables):
+        with _keras.layer_calls(observe):
+            y_pred = model(x, training=training)
+        findings = []
+        for layer, arguments, outputs in calls:
+            if _checked(layer):
+                reason = _stray(layer, arguments, outputs)
+                if reason is not None:
+                    findings.append(Finding(_path(layer), reason))
+    findings += _unreachable_targets(calls, y_pred, y)
+    if loss_fn is not None and not findings:
+        findings += _loss_overflows(calls, y_pred, batch, loss_fn)
+    return _unique(findings)
+
+
+def _loss_overflows(calls, y_pred, batch, loss_fn) -> list:
+    """When the loss on the float16 model outputs differs from the loss on
+    the same outputs cast to float32 (exactly), by more than
+    `RELATIVE_ERROR` or in finiteness, the `Finding`s of the layers that
+    produce the float16 outputs: the user's loss sums them in float16 (a
+    soft-Dice over a batch of maps reads 1.0, and every gradient 0)."""
+    x, y, sample_weight = batch
+    outputs = [o for o in _floats(y_pred) if o.dtype == tf.float16]
+    if not outputs:
+        return []
+    got = float(loss_fn(x, y, y_pred, sample_weight))
+    want = float(loss_fn(x, y, _to_float32(y_pred), sample_weight))
+    if not math.isfinite(want):
+        return []
+    if math.isfinite(got) and abs(got - want) <= RELATIVE_ERROR * max(abs(want), 1e-30):
+        return []
+    findings = []
+    for output in outputs:
+        producer = next(
+            (layer for layer, _, out in calls
+             if any(o is output for o in keras.tree.flatten(out))),
+            None,
+        )
+        if producer is not None:
+            findings.append(
+                Finding(
+                    _path(producer),
+                    f"{promote.LOSS} ({got:.4g} against {want:.4g}: the loss "
+                    "sums or squares float16 outputs past 65504)",
+                )
+            )
+    return findings
+
+
+def _checked(layer) -> bool:
+    """A leaf layer with weights that computes in float16."""
+    return (
+        bool(layer.weights)
+        and not _keras.sublayers(layer, recursive=False)
+        and layer.compute_dtype == "float16"
+    )
+
+
+def _stray(layer, arguments, outputs) -> Optional[str]:
+    """Why `layer`'s float16 `outputs` fail against its float32 re-run on
+    the same `arguments`; None when they do not (or its inputs are not
+    finite: a layer upstream failed first)."""
+    args, kwargs = arguments
+    if not _all_finite((args, kwargs)):
+        return None
+    with _keras.dtype_policy([layer], "float32"):
+        expected = layer(*_to_float32(args), **_to_float32(kwargs))
+    got, want = _floats(outputs), _floats(expected)
+    if len(got) != len(want) or not _all_finite(want):
+        return None
+    if not _all_finite(got):
+        return promote.FORWARD
+    error, largest = 0.0, 0.0
+    for a, b in zip(got, want):
+        b = tf.cast(b, tf.float32)
+        error = max(error, float(tf.reduce_max(tf.abs(tf.cast(a, tf.float32) - b))))
+        largest = max(largest, float(tf.reduce_max(tf.abs(b))))
+    if largest > 0 and error > RELATIVE_ERROR * largest:
+        return (
+            f"{promote.STRAYS} (by {error / largest:.0%} of its largest "
+            "value: a float16 sum or count that overflowed, or a statistic "
+            "that reads 0)"
+        )
+    return None
+
+
+def _unreachable_targets(calls, y_pred, y) -> list:
+    """Float16 model outputs whose targets reach float16's maximum over
+    `TARGET_FACTOR`, as `Finding`s of the layers that produce them."""
+    outputs = keras.tree.flatten(y_pred)
+    targets = keras.tree.flatten(y) if y is not None else []
+    if len(outputs) != len(targets):
+        return []
+    findings = []
+    for output, target in zip(outputs, targets):
+        if not (tf.is_tensor(output) and output.dtype == tf.float16):
+            continue
+        largest = float(tf.reduce_max(tf.abs(tf.cast(target, tf.float32))))
+        if largest < FLOAT16_MAX / TARGET_FACTOR:
+            continue
+        producer = next(
+            (layer for layer, _, out in calls
+             if any(o is output for o in keras.tree.flatten(out))),
+            None,
+        )
+        if producer is not None:
+            findings.append(
+                Finding(
+                    _path(producer),
+                    f"{promote.TARGETS} (targets up to {largest:.4g}; float16 "
+                    f"holds at most {FLOAT16_MAX:g})",
+                )
+            )
+    return findings
+
+
+def _calibrate(model, batch, loss_fn, scale, training):
+    """(the largest power of two at most `scale` at which `batch`'s
+    gradients are finite, or None; the `Finding`s when there is none)."""
+    x, y, sample_weight = batch
+
+    def finding_at(exponent):
+        return backward_search.first_non_finite_gradient(
+            model, loss_fn, (x, y, sample_weight), 2.0**exponent, training
+        )
+
+    high = math.floor(math.log2(scale))
+    low = round(math.log2(MIN_SCALE))
+    above = finding_at(high)
+    if above is None:
+        return 2.0**high, []
+    failed = finding_at(low)
+    if failed is not None:
+        if failed.layer is None:
+            return None, []  # The loss itself: no promotion helps.
+        reason = f"{promote.BACKWARD} ({failed.what}) at every loss scale"
+        return None, [Finding(failed.layer, reason)]
+    while high - low > 1:
+        middle = (high + low) // 2
+        finding = finding_at(middle)
+        if finding is None:
+            low = middle
+        else:
+            high, above = middle, finding
+    if low < 0 and above is not None and above.what == backward_search.OUTPUT:
+        # Below 1 the scale shrinks every gradient of the model, to serve a
+        # float16 model output that cannot carry the loss's gradient (a
+        # float16 softmax under a cross-entropy): that layer fails.
+        reason = (
+            f"{promote.BACKWARD} ({above.what}): its float16 output cannot "
+            f"carry the loss's gradient at any loss scale of 1 or more"
+        )
+        return None, [Finding(above.layer, reason)]
+    return 2.0**low, []
+
+
+def _to_float32(structure):
+    return keras.tree.map_structure(
+        lambda t: tf.cast(t, tf.float32)
+        if tf.is_tensor(t) and t.dtype in (tf.float16, tf.bfloat16)
+        else t,
+        structure,
+    )
+
+
+def _floats(structure) -> list:
+    return [
+        t for t in keras.tree.flatten(structure)
+        if tf.is_tensor(t) and t.dtype.is_floating
+    ]
+
+
+def _all_finite(structure) -> bool:
+    return all(bool(tf.reduce_all(tf.math.is_finite(t))) for t in _floats(structure))
+
+
+def _path(layer) -> str:
+    return getattr(layer, "path", None) or layer.name
+
+
+def _unique(findings) -> list:
+    seen, result = set(), []
+    for finding in findings:
+        if finding.layer not in seen:
+            seen.add(finding.layer)
+            result.append(finding)
+    return result
