@@ -19,7 +19,9 @@ it on fixed synthetic batches and scores it on held-out ones:
   float32 outputs.
 - `softmax_top`: keras.applications EfficientNetV2B0 (random weights) with
   its float16 softmax classifier under a cross-entropy on probabilities.
-  Fix: the classifier in float32.
+  A learning rate of 1e-2 makes some probabilities small enough that the
+  loss's gradient no longer fits float16 at a scale of 1. Fix: the
+  classifier in float32.
 
 `run(case, method, seed)` returns a `Result`; `benchmarks/failures.py`
 prints the table, `tests/test_failures.py` checks it.
@@ -238,17 +240,16 @@ def _efficientnet_build(fix):
     model = keras.applications.EfficientNetV2B0(
         weights=None,
         input_shape=(32, 32, 3),
-        classes=100,
+        classes=10,
         include_preprocessing=False,
     )
     if fix:
-        keras.config  # noqa: B018 (keeps the import visible)
         top = model.get_layer("predictions")
         top.dtype_policy = keras.DTypePolicy("float32")
     return model
 
 
-def _image_classes(seed, classes=100):
+def _image_classes(seed, classes=10):
     rng = np.random.default_rng(seed)
     prototypes = rng.normal(size=(classes, 32, 32, 3)).astype("float32")
     labels = rng.integers(0, classes, size=(24 * 8 + 64,))
@@ -271,7 +272,7 @@ SOFTMAX_TOP = Case(
     data=_image_classes,
     loss=keras.losses.SparseCategoricalCrossentropy(),
     metric=_accuracy,
-    optimizer=lambda: keras.optimizers.Adam(1e-3),
+    optimizer=lambda: keras.optimizers.Adam(1e-2),
     epochs=1,
 )
 

@@ -18,7 +18,9 @@ tf_als.scales(model)
 from tf_als import callbacks
 from tf_als import datasets
 from tf_als import plots
+from tf_als import preflight
 from tf_als import promote
+from tf_als import silent
 from tf_als import storm
 from tf_als.instrument import InstrumentedModel
 from tf_als.instrument import PointInfo
@@ -29,6 +31,7 @@ from tf_als.optimizer import AdaptiveLossScaleOptimizer
 from tf_als.promote import promoted
 from tf_als.report import Diagnosis
 from tf_als.report import diagnose
+from tf_als.silent import SilentFailureWarning
 from tf_als.storm import NonFiniteStormError
 
 # 0.2.0: the scaling points' state is stacked (`tf_als.state.ScalingState`), so
@@ -37,7 +40,10 @@ from tf_als.storm import NonFiniteStormError
 # sets the paper rule's interval, `telemetry_interval` the records' (0.2
 # `.keras` files and configs load: `ScalingState.load_own_variables`,
 # `AdaptiveLossScaleOptimizer`'s `update_interval` deprecation path).
-__version__ = "0.3.0"
+# 0.4.0: failing layers are found on the first batch (`tf_als.preflight`) and
+# promoted together, capped by distinct failures; records gain the forward
+# headroom columns (0.3 and 0.2 `.keras` files load).
+__version__ = "0.4.0"
 
 __all__ = [
     "AdaptiveLossScaleOptimizer",
@@ -45,14 +51,17 @@ __all__ = [
     "InstrumentedModel",
     "NonFiniteStormError",
     "PointInfo",
+    "SilentFailureWarning",
     "callbacks",
     "datasets",
     "diagnose",
     "instrument",
     "plots",
     "points",
+    "preflight",
     "promote",
     "promoted",
     "scales",
+    "silent",
     "storm",
 ]
