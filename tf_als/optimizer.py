@@ -645,6 +645,7 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             loss_fn,
             self.initial_scale,
             step,
+            choose=step == 0,
         )
         for promotion in outcome.promotions:
             warnings.warn(

@@ -17,17 +17,22 @@ found it:
    of 0: finite, and wrong). A model output computed in float16 fails when
    its targets reach float16's maximum over `TARGET_FACTOR`: it has to reach
    them.
-2. **Backward.** The loss's gradients at the global scale S. When they are
-   not finite, S is bisected down (powers of two, to `MIN_SCALE`) to the
-   largest at which they are. When none is, the layer whose float16
-   backward turns a finite gradient into a non-finite one at `MIN_SCALE`
-   fails (`tf_als.backward_search`).
+2. **Backward.** The loss's gradients at a global scale of 1. When they
+   are not finite, the layer whose float16 backward pass turns a finite
+   gradient into a non-finite one even at `MIN_SCALE` fails
+   (`tf_als.backward_search`), and so does a float16 model output whose
+   gradient from the loss fits float16 only at a scale below 1.
+   Then, before the first step and after a promotion, the global scale S
+   is chosen: the largest power of two at most the initial scale at which
+   the gradients are finite (bisection, down to `MIN_SCALE`).
 3. Failing layers are promoted (`tf_als.promote`), every one found at
    once, and the check runs again, until nothing fails or the cap on
    failures is reached; then S is set.
 
 A healthy model costs one eager forward pass, one float32 re-run of each
-leaf layer and one backward pass, on one batch, once.
+leaf layer and two backward passes (at 1 and at the initial scale) on one
+batch, once; more only when the initial scale overflows (a bisection of
+about six backward passes).
 """
 
 import dataclasses
@@ -93,20 +98,25 @@ def run(
     loss_fn: Optional[Callable],
     scale: float,
     step: int,
+    choose: bool = False,
 ) -> Outcome:
-    """`check` on each of `batches` in turn; the outcome's scale is the
-    smallest chosen over them (None when none was: without `loss_fn`, or
-    when no batch's gradients are finite at any scale)."""
-    made, scales, stopped = [], [], None
+    """`check` on each of `batches` in turn, until one has a failure to
+    promote; the outcome's scale is chosen on that batch, or with `choose`
+    on the first batch when none had one (None without `loss_fn`). The
+    batches that pass cost a forward pass, the float32 re-runs and one or
+    two backward passes each."""
+    first = None
     for batch in batches:
-        outcome = check(model, batch, loss_fn, scale, step)
-        made.extend(outcome.promotions)
-        if outcome.scale is not None:
-            scales.append(outcome.scale)
-        stopped = outcome.stopped
-        if stopped is not None:
-            break
-    return Outcome(tuple(made), min(scales) if scales else None, stopped)
+        first = batch if first is None else first
+        outcome = check(model, batch, loss_fn, scale, step, choose=False)
+        if outcome.promotions or outcome.stopped is not None:
+            if outcome.promotions and loss_fn is not None:
+                chosen = largest_finite_scale(model.model, batch, loss_fn, scale)
+                outcome = dataclasses.replace(outcome, scale=chosen)
+            return outcome
+    if not choose or first is None or loss_fn is None:
+        return Outcome((), None, None)
+    return Outcome((), largest_finite_scale(model.model, first, loss_fn, scale), None)
 
 
 def check(
@@ -116,6 +126,7 @@ def check(
     scale: float,
     step: int,
     training: bool = True,
+    choose: bool = True,
 ) -> Outcome:
     """Finds and promotes the layers of `model` whose float16 arithmetic
     fails on `batch`, then finds the largest power of two at most `scale`
@@ -130,6 +141,8 @@ def check(
             scale).
         step: the optimizer step, for the promotions' record.
         training: the `training` argument of the forward pass.
+        choose: whether to choose the scale (False: the outcome's scale is
+            None).
 
     Returns:
         An `Outcome`.
@@ -146,15 +159,18 @@ def check(
     made = []
     while True:
         findings = forward_failures(model.model, batch, training, loss_fn)
-        chosen = None
         if not findings and loss_fn is not None:
-            chosen, findings = _calibrate(model.model, batch, loss_fn, scale, training)
-        if not findings:
-            return Outcome(tuple(made), chosen, None)
-        new, stopped = promote.promote_all(model, findings, step)
-        made.extend(new)
-        if stopped is not None or not new:
-            return Outcome(tuple(made), chosen, stopped)
+            findings = backward_failures(model.model, batch, loss_fn, training)
+        if findings:
+            new, stopped = promote.promote_all(model, findings, step)
+            made.extend(new)
+            if stopped is not None or not new:
+                return Outcome(tuple(made), None, stopped)
+            continue
+        chosen = None
+        if choose and loss_fn is not None:
+            chosen = largest_finite_scale(model.model, batch, loss_fn, scale, training)
+        return Outcome(tuple(made), chosen, None)
 
 
 def forward_failures(
@@ -288,44 +304,74 @@ def _unreachable_targets(calls, y_pred, y) -> list:
     return findings
 
 
-def _calibrate(model, batch, loss_fn, scale, training):
-    """(the largest power of two at most `scale` at which `batch`'s
-    gradients are finite, or None; the `Finding`s when there is none)."""
-    x, y, sample_weight = batch
-
-    def finding_at(exponent):
-        return backward_search.first_non_finite_gradient(
-            model, loss_fn, (x, y, sample_weight), 2.0**exponent, training
-        )
-
-    high = math.floor(math.log2(scale))
-    low = round(math.log2(MIN_SCALE))
-    above = finding_at(high)
-    if above is None:
-        return 2.0**high, []
-    failed = finding_at(low)
-    if failed is not None:
-        if failed.layer is None:
-            return None, []  # The loss itself: no promotion helps.
-        reason = f"{promote.BACKWARD} ({failed.what}) at every loss scale"
-        return None, [Finding(failed.layer, reason)]
+def backward_failures(
+    model: keras.Model, batch: tuple, loss_fn: Callable, training: bool = True
+) -> list:
+    """The `Finding`s of the backward pass of `model` on `batch`: [] when
+    its gradients are finite at a global scale of 1; else the layer whose
+    backward pass is not finite even at `MIN_SCALE`, or the float16 model
+    output whose gradient from the loss fits float16 only below 1 (a
+    float16 softmax under a cross-entropy on probabilities)."""
+    at_one = _probe(model, batch, loss_fn, 0, training)
+    if at_one is None:
+        return []
+    floor = round(math.log2(MIN_SCALE))
+    at_floor = _probe(model, batch, loss_fn, floor, training)
+    if at_floor is not None:
+        if at_floor.layer is None:
+            return []  # The loss itself: no promotion helps.
+        reason = f"{promote.BACKWARD} ({at_floor.what}) at every loss scale"
+        return [Finding(at_floor.layer, reason)]
+    low, high, above = floor, 0, at_one
     while high - low > 1:
         middle = (high + low) // 2
-        finding = finding_at(middle)
+        finding = _probe(model, batch, loss_fn, middle, training)
         if finding is None:
             low = middle
         else:
             high, above = middle, finding
-    if low < 0 and above is not None and above.what == backward_search.OUTPUT:
-        # Below 1 the scale shrinks every gradient of the model, to serve a
-        # float16 model output that cannot carry the loss's gradient (a
-        # float16 softmax under a cross-entropy): that layer fails.
-        reason = (
-            f"{promote.BACKWARD} ({above.what}): its float16 output cannot "
-            f"carry the loss's gradient at any loss scale of 1 or more"
-        )
-        return None, [Finding(above.layer, reason)]
-    return 2.0**low, []
+    if above.what != backward_search.OUTPUT or above.layer is None:
+        return []
+    # Below 1 the scale shrinks every gradient of the model to serve this
+    # output: it is the layer that fails.
+    reason = (
+        f"{promote.BACKWARD} ({above.what}): its float16 output cannot "
+        "carry the loss's gradient at any loss scale of 1 or more"
+    )
+    return [Finding(above.layer, reason)]
+
+
+def largest_finite_scale(
+    model: keras.Model,
+    batch: tuple,
+    loss_fn: Callable,
+    scale: float,
+    training: bool = True,
+) -> Optional[float]:
+    """The largest power of two, at most `scale` and at least `MIN_SCALE`,
+    at which the gradients of `model` on `batch` are finite (bisection);
+    None when there is none."""
+    high = math.floor(math.log2(scale))
+    if _probe(model, batch, loss_fn, high, training) is None:
+        return 2.0**high
+    low = round(math.log2(MIN_SCALE))
+    if _probe(model, batch, loss_fn, low, training) is not None:
+        return None
+    while high - low > 1:
+        middle = (high + low) // 2
+        if _probe(model, batch, loss_fn, middle, training) is None:
+            low = middle
+        else:
+            high = middle
+    return 2.0**low
+
+
+def _probe(model, batch, loss_fn, exponent, training):
+    """Where `batch`'s gradients turn non-finite at the scale 2**exponent
+    (`tf_als.backward_search`), or None."""
+    return backward_search.first_non_finite_gradient(
+        model, loss_fn, batch, 2.0**exponent, training
+    )
 
 
 def _to_float32(structure):
