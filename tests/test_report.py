@@ -376,3 +376,276 @@ def test_names_the_layer_whose_float16_output_overflows(mixed):
     # Every output finite: nothing to name.
     model.get_layer("big").dtype_policy = "float32"
     assert tf_als.forward.first_non_finite_output(model, x) is None
+
+
+# Same randomness in every run ------------------------------------------------
+
+
+def _gpt2_lm(dropout):
+    """A tiny KerasHub GPT-2 with a language-model head (float32 logits)."""
+    import keras_hub
+
+    def backbone():
+        return keras_hub.models.GPT2Backbone(
+            vocabulary_size=128, num_layers=2, num_heads=2, hidden_dim=32,
+            intermediate_dim=64, max_sequence_length=16, dropout=dropout,
+        )
+
+    return architectures.causal_lm(backbone)()
+
+
+def test_gpt2_with_dropout_reads_as_without(mixed):
+    """GPT-2 tiny with dropout 0.1 and with dropout 0, same weights: the
+    worst gradient error of each scaling is the same within float16
+    rounding. Before the three runs shared their random draws, dropout
+    0.1 read 1.06 (Keras) and 0.93 (tf_als) against 1.2e-3 without.
+
+    Tolerance: both are float16 rounding, 1.1e-3 to 1.5e-3 here, of two
+    different computations (dropout zeroes a tenth of the activations and
+    scales the rest by 1/0.9), so they may differ by an amount of that
+    order; they must agree within float16's unit roundoff, 2**-11 (4.9e-4),
+    and stay below 2**-8."""
+    with_dropout = _gpt2_lm(0.1)
+    without = _gpt2_lm(0.0)
+    without.set_weights(with_dropout.get_weights())
+    x, y = architectures._lm_tokens(vocabulary=128)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    reports = [
+        tf_als.diagnose(model, x, y, loss=loss, verbose=False)
+        for model in (with_dropout, without)
+    ]
+    assert len(reports[0].rows) == len(reports[1].rows) > 10
+    for field in ("keras_error", "als_error"):
+        worst = [max(getattr(row, field) for row in r.rows) for r in reports]
+        assert max(worst) < 2.0**-8, (field, worst)
+        assert abs(worst[0] - worst[1]) <= 2.0**-11, (field, worst)
+    assert all(r.forward_overflow is None for r in reports)
+
+
+class _UnseededDropout(layers.Layer):
+    """Drops with Keras's global seed generator (`seed=None`)."""
+
+    def call(self, x, training=False):
+        return keras.random.dropout(x, 0.5) if training else x
+
+
+def _random_layers():
+    """Every kind of random draw a model makes in training: an augmentation,
+    dropout (seeded and unseeded), Gaussian noise and dropout, and a
+    BatchNormalization whose moving statistics training updates."""
+    inputs = keras.Input((8, 8, 3))
+    x = layers.RandomFlip(seed=1)(inputs)
+    x = layers.Conv2D(8, 3, activation="relu", name="conv")(x)
+    x = layers.BatchNormalization(name="norm")(x)
+    x = layers.Flatten()(x)
+    x = layers.Dropout(0.5)(x)
+    x = layers.Dense(32, activation="relu", name="dense")(x)
+    x = layers.GaussianNoise(0.5)(x)
+    x = layers.GaussianDropout(0.3)(x)
+    x = _UnseededDropout()(x)
+    outputs = layers.Dense(4, dtype="float32", name="head")(x)
+    return keras.Model(inputs, outputs)
+
+
+def _random_batch():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(16, 8, 8, 3)).astype("float32"), rng.integers(0, 4, 16)
+
+
+def test_every_run_draws_the_same_masks_and_noise(mixed):
+    """With every random layer active, the rows read float16 rounding, where
+    runs that drew their own masks and noise read 0.76 to 1.25 on every row
+    (measured). `norm`, `dense` and `head`: below 2**-7. `conv`'s kernel
+    gradient is 6.1e-2 off on this batch, and that is the batch's: the
+    same model without its RandomFlip, given the batch flipped as the
+    layer flips it, reads the same numbers (to 1e-6, relative)."""
+    model = _random_layers()
+    x, y = _random_batch()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    report = tf_als.diagnose(model, x, y, loss=loss, verbose=False)
+    assert [r.layer for r in report.rows] == ["conv", "norm", "dense", "head"]
+    for row in report.rows:
+        bound = 2.0**-3 if row.layer == "conv" else 2.0**-7
+        assert row.keras_error < bound and row.als_error < bound, row
+
+    flip = model.layers[1]
+    state = np.array(flip.generator.state.value)
+    with tf_als._keras.dtype_policy([flip], "float32"):
+        flipped = np.asarray(flip(x, training=True))
+    flip.generator.state.assign(state)
+    inputs = keras.Input((8, 8, 3))
+    outputs = inputs
+    for layer in model.layers[2:]:
+        outputs = layer(outputs)
+    unflipped = tf_als.diagnose(
+        keras.Model(inputs, outputs), flipped, y, loss=loss, verbose=False
+    )
+    for row, same in zip(report.rows, unflipped.rows, strict=True):
+        assert row.keras_error == pytest.approx(same.keras_error, rel=1e-6)
+        assert row.als_error == pytest.approx(same.als_error, rel=1e-6)
+
+
+def test_leaves_the_model_and_keras_random_state_as_found(mixed):
+    """Weights, moving statistics and seed states bitwise as they were, and
+    Keras's random ops as they were: no global seed generator made, and a
+    float16 dropout drawing its native mask again."""
+    from keras.src.backend.common import global_state
+    from keras.src.random import seed_generator
+
+    model = _random_layers()
+    x, y = _random_batch()
+    model(x, training=True)  # Seed states and moving statistics move off their start.
+    before = [np.array(v.value) for v in model.variables]
+    paths = [v.path for v in model.variables]
+    assert any("seed_generator_state" in p for p in paths)
+    assert any("moving_mean" in p for p in paths)
+    key = seed_generator.GLOBAL_SEED_GENERATOR
+    global_state.set_global_attribute(key, None)
+    half = tf.ones((64, 64), tf.float16)
+    native = keras.random.dropout(half, 0.5, seed=3)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    tf_als.diagnose(model, x, y, loss=loss, verbose=False)
+    for path, old, variable in zip(paths, before, model.variables):
+        np.testing.assert_array_equal(np.array(variable.value), old, err_msg=path)
+    assert global_state.get_global_attribute(key) is None
+    np.testing.assert_array_equal(keras.random.dropout(half, 0.5, seed=3), native)
+
+
+# Overflow is not underflow ---------------------------------------------------
+
+
+def soft_dice(y_true, y_pred):
+    """1 - 2 sum(p y) / (sum(p) + sum(y)), summed in y_pred's dtype."""
+    y_true = tf.cast(y_true, y_pred.dtype)
+    overlap = tf.reduce_sum(y_pred * y_true)
+    return 1.0 - 2.0 * overlap / (tf.reduce_sum(y_pred) + tf.reduce_sum(y_true))
+
+
+def _segmenter():
+    """A per-pixel sigmoid over a 16 x 96 x 96 batch: sum(p) is about
+    74,000, past float16's 65504."""
+    inputs = keras.Input((96, 96, 3))
+    x = layers.Conv2D(8, 3, padding="same", activation="relu", name="conv")(inputs)
+    outputs = layers.Conv2D(1, 1, activation="sigmoid", name="mask")(x)
+    model = keras.Model(inputs, outputs)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 96, 96, 3)).astype("float32")
+    return model, x, (rng.random((16, 96, 96, 1)) < 0.5).astype("float32")
+
+
+def test_a_float16_soft_dice_is_an_overflow_in_the_loss(mixed):
+    """The float16 loss sits at exactly 1 and every float16 gradient is 0
+    (float32's loss is about 0.5, its gradients nonzero): reported as an
+    overflow in the loss, with the cast to float32 as the fix."""
+    model, x, y = _segmenter()
+    assert float(soft_dice(y, model(x))) == 1.0
+    report = tf_als.diagnose(model, x, y, loss=soft_dice, verbose=False)
+    assert [r.keras_underflow for r in report.rows] == [1.0, 1.0]
+    assert report.non_finite is None
+    assert report.forward_overflow == "loss"
+    assert report.overflow_advice().startswith("Not underflow: overflow in the loss.")
+    assert 'tf.cast(y_pred, "float32")' in str(report)
+
+
+@pytest.mark.slow
+def test_the_soft_dice_fix_leaves_float16_rounding(mixed):
+    """The advice followed (the loss on float32 predictions): no overflow,
+    and Keras's gradients within float16 rounding of float32's (2**-7).
+    Slow because tf_als backs off to a global scale of 2**-9 here, one
+    traced run per halving: the biases' gradients sum 147,456 positions
+    and overflow float16 at higher scales."""
+    model, x, y = _segmenter()
+
+    def fixed(y_true, y_pred):
+        return soft_dice(y_true, tf.cast(y_pred, "float32"))
+
+    report = tf_als.diagnose(model, x, y, loss=fixed, verbose=False)
+    assert report.forward_overflow is None and report.overflow_advice() is None
+    assert all(r.keras_error < 2.0**-7 for r in report.rows), report.rows
+
+
+class _HandNorm(layers.Layer):
+    """x / sqrt(mean(x**2)), as hand-written normalisations compute it: in
+    float16, x**2 passes 65504 for |x| > 256 and the output is 0."""
+
+    def call(self, x):
+        return x / keras.ops.sqrt(keras.ops.mean(keras.ops.square(x)) + 1e-3)
+
+
+def test_names_the_layer_whose_float16_sum_overflows_inside(mixed):
+    """`norm`'s inputs agree with float32's but its float16 output is 0
+    (finite): it is named, and giving it dtype="float32" fixes it."""
+    inputs = keras.Input((16,))
+    x = layers.Dense(32, name="big")(inputs)
+    x = _HandNorm(name="norm")(x)
+    outputs = layers.Dense(4, dtype="float32", name="head")(x)
+    model = keras.Model(inputs, outputs)
+    big = model.get_layer("big")
+    big.kernel.assign(big.kernel * 1000.0)
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 16)).astype("float32"), rng.integers(0, 4, 32)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    report = tf_als.diagnose(model, x, y, loss=loss, verbose=False)
+    assert report.non_finite is None
+    assert report.forward_overflow == "norm", str(report)
+    assert "layer 'norm' is the first" in report.overflow_advice()
+    model.get_layer("norm").dtype_policy = "float32"
+    report = tf_als.diagnose(model, x, y, loss=loss, verbose=False)
+    assert report.forward_overflow is None
+    assert all(r.keras_error < 2.0**-7 for r in report.rows), report.rows
+
+
+class _Squash(layers.Layer):
+    """tanh(x / 2**20): below one in float32 for x up to ~10**6, and 1 with
+    a zero gradient for float16's inf (divided in two steps: 2**20 is not
+    a float16)."""
+
+    def call(self, x):
+        return keras.ops.tanh(x / 4096.0 / 256.0)
+
+
+def test_names_the_layer_whose_float16_output_is_inf(mixed):
+    """`big` (every kernel entry 30000, after a ReLU) sums past 65504: inf
+    in float16, ~4 * 10**5 in float32. `squash` turns inf into a finite 1 with a
+    zero gradient, so nothing is non-finite, `first`'s and `big`'s float16
+    gradients are all zero (float32's are not), and `big` is named."""
+    inputs = keras.Input((16,))
+    x = layers.Dense(32, activation="relu", name="first")(inputs)
+    x = layers.Dense(32, name="big")(x)
+    x = _Squash(name="squash")(x)
+    outputs = layers.Dense(4, dtype="float32", name="head")(x)
+    model = keras.Model(inputs, outputs)
+    model.get_layer("big").kernel.assign(np.full((32, 32), 30000.0, "float32"))
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 16)).astype("float32"), rng.integers(0, 4, 32)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    report = tf_als.diagnose(model, x, y, loss=loss, verbose=False)
+    assert report.non_finite is None
+    assert report.underflowing(0.5) == ["first", "big"]
+    assert report.forward_overflow == "big", str(report)
+    assert "Not underflow: overflow in the forward pass" in str(report)
+
+
+def test_underflow_that_no_scaling_lifts_is_still_underflow(mixed):
+    """A loss scaled by 1e-20 in float32: its gradient underflows at the
+    float16 boundary whatever the scales (2**30 at most lifts 1e-21 to
+    1e-12), so both scalings flush the hidden layers and the overflow
+    check runs, finds every layer and the loss in agreement (within
+    rounding), and reports underflow."""
+    inputs = keras.Input((16,))
+    x = layers.Dense(32, activation="relu", name="a")(inputs)
+    x = layers.Dense(32, activation="relu", name="b")(x)
+    model = keras.Model(inputs, layers.Dense(4, dtype="float32", name="head")(x))
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 16)).astype("float32"), rng.integers(0, 4, 32)
+
+    def tiny(y_true, y_pred):
+        return 1e-20 * keras.losses.sparse_categorical_crossentropy(
+            y_true, y_pred, from_logits=True
+        )
+
+    report = tf_als.diagnose(model, x, y, loss=tiny, verbose=False)
+    assert report.underflowing(0.5) == ["a", "b"]
+    assert report.underflowing(0.5, scaling="tf_als") == ["a", "b"]
+    assert report.forward_overflow is None and report.non_finite is None
+    assert "Not underflow" not in str(report)

@@ -5,6 +5,7 @@ a Keras upgrade is checked here and nowhere else.
 """
 
 import contextlib
+import inspect
 import typing
 
 import keras
@@ -300,3 +301,90 @@ def layer_calls(callback):
         yield
     finally:
         keras.layers.Layer.__call__ = original
+
+
+# The random draws `float32_random_draws` redirects: Keras 3.15's TensorFlow
+# backend module `keras.src.backend.tensorflow.random`, which `keras.random`,
+# `keras.layers.Dropout`, `GaussianNoise`, `GaussianDropout` and the random
+# preprocessing layers all reach through `backend.random`.
+_FLOAT_DRAWS = ("normal", "uniform", "truncated_normal", "gamma", "binomial", "beta")
+
+
+@contextlib.contextmanager
+def float32_random_draws():
+    """Within this block, Keras's random ops give float16 and bfloat16 runs
+    the draws a float32 run makes from the same seed.
+
+    TensorFlow's stateless samplers turn the same seed into other values in
+    each dtype (a float16 uniform keeps 10 bits of each random word, a
+    float32 one 23), so the same `SeedGenerator` state drops other units
+    in float16 than in float32 (18% of them differ at rate 0.1). Here a
+    16-bit draw is made in float32 and rounded, and `dropout` keeps or drops
+    by float32 noise, then scales as it would in the input's dtype. For
+    `tf_als.diagnose`, whose float32 and float16 runs must see the same
+    masks and noise; it replaces functions of Keras 3.15's
+    `keras.src.backend.tensorflow.random` for the block, in every thread's
+    view (public: none; `keras.random` takes no sampling dtype)."""
+    from keras.src.backend.tensorflow import random as module
+
+    originals = {name: getattr(module, name) for name in _FLOAT_DRAWS + ("dropout",)}
+
+    def in_float32(draw):
+        signature = inspect.signature(draw)
+
+        def drawing(*args, **kwargs):
+            call = signature.bind(*args, **kwargs)
+            dtype = call.arguments.get("dtype")
+            if dtype is None or keras.backend.standardize_dtype(dtype) not in (
+                "float16", "bfloat16",
+            ):
+                return draw(*args, **kwargs)
+            call.arguments["dtype"] = "float32"
+            return tf.cast(draw(*call.args, **call.kwargs), dtype)
+
+        return drawing
+
+    def dropout(inputs, rate, noise_shape=None, seed=None):
+        inputs = tf.convert_to_tensor(inputs)
+        special = not isinstance(rate, (int, float)) or not 0 < rate < 1
+        if special or inputs.dtype not in (tf.float16, tf.bfloat16):
+            return originals["dropout"](inputs, rate, noise_shape, seed)
+        ones = tf.ones_like(inputs, tf.float32)
+        kept = originals["dropout"](ones, rate, noise_shape, seed) != 0
+        # As tf.nn.experimental.stateless_dropout scales: 1 / (1 - rate)
+        # rounded once to the input's dtype.
+        scale = tf.convert_to_tensor(1 / (1 - rate), inputs.dtype)
+        return tf.where(kept, inputs * scale, tf.zeros_like(inputs))
+
+    try:
+        for name in _FLOAT_DRAWS:
+            setattr(module, name, in_float32(originals[name]))
+        module.dropout = dropout
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(module, name, original)
+
+
+@contextlib.contextmanager
+def global_seed_state():
+    """Yields the state variable of Keras's global `SeedGenerator`, the one
+    random ops drawn with `seed=None` advance. Keras makes it on the first
+    such draw; if it has none yet, one is made for the block (seed 0,
+    leaving Python's random stream alone) and removed on exit, so Keras's
+    global state is left as found. Keras 3.15
+    `keras.src.random.seed_generator.GLOBAL_SEED_GENERATOR` in
+    `keras.src.backend.common.global_state`; public: none."""
+    from keras.src.backend.common import global_state
+    from keras.src.random import seed_generator
+
+    key = seed_generator.GLOBAL_SEED_GENERATOR
+    existing = global_state.get_global_attribute(key)
+    generator = existing or keras.random.SeedGenerator(
+        seed=0, name="tf_als_global_seed"
+    )
+    global_state.set_global_attribute(key, generator)
+    try:
+        yield generator.state
+    finally:
+        global_state.set_global_attribute(key, existing)
