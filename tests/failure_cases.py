@@ -123,7 +123,12 @@ DOLLARS = Case(
     data=_dollars_data,
     loss=keras.losses.MeanSquaredError(),
     metric=_r2,
-    optimizer=lambda: keras.optimizers.Adam(3.0),
+    # Adam at 3.0 (prices are large), decayed to 3e-2 over the run, so that
+    # the final weights have settled (at a constant 3.0 the held-out R2 of
+    # float32 itself swings between 0.84 and 0.99 from epoch to epoch).
+    optimizer=lambda: keras.optimizers.Adam(
+        keras.optimizers.schedules.CosineDecay(3.0, decay_steps=480, alpha=0.01)
+    ),
     epochs=30,
 )
 
