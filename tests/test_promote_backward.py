@@ -10,6 +10,13 @@ sum(dy * (-x / t) / t), which TensorFlow computes in that order: (-x / t) / t
 is x * 2**16, past float16's maximum (65504) for every |x| >= 1, whatever
 dy is, so the loss scale cannot help (at a scale where dy underflows to 0,
 0 * inf is NaN). float32 holds it.
+
+With t = 2**-8 from the start, `fit` (and a custom loop's first
+`check_skips` with the loss) finds it on the first batch
+(`tf_als.preflight`: the gradients are not finite at any scale down to
+`preflight.MIN_SCALE`) and promotes it before the first step. The storm and
+frequent-skip triggers are for failures that appear later: the tests start
+from a healthy t = 1 and set t = 2**-8 during training.
 """
 
 import keras
@@ -19,9 +26,10 @@ import tensorflow as tf
 
 import tf_als
 from tests import architectures
-from tests.test_promote import custom_loop
+from tests.test_promote import custom_loop, largest_finite_scale
 from tf_als import backward_search
 from tf_als import forward
+from tf_als import preflight
 from tf_als import promote
 from tests.modes import JIT_COMPILE
 
@@ -31,6 +39,10 @@ pytestmark = pytest.mark.usefixtures("mixed")
 STEPS = 60
 BATCH = 16
 SKIPS = 4
+HEALTHY = 1.0  # A temperature whose backward pass fits float16.
+ARMED = 2.0**-8
+# The promotion's reason for `temperature`.
+REASON = f"{promote.BACKWARD} ({backward_search.WEIGHTS}) at every loss scale"
 
 
 class Temperature(layers.Layer):
@@ -52,13 +64,17 @@ class Temperature(layers.Layer):
         return {**super().get_config(), "initial": self.initial}
 
 
-def build(policy=None):
+def build(policy=None, initial=ARMED, promoted=()):
     """The model under `policy` (the global one when None), with fixed
-    weights."""
+    weights and the temperature `initial`; the layers named in `promoted`
+    compute in float32 (the manual fix)."""
     keras.utils.set_random_seed(0)
     inputs = keras.Input((8,))
     x = layers.Dense(16, name="first", dtype=policy)(inputs)
-    x = Temperature(name="temperature", dtype=policy)(x)
+    x = Temperature(
+        initial, name="temperature",
+        dtype="float32" if "temperature" in promoted else policy,
+    )(x)
     x = layers.LayerNormalization(name="norm", dtype=policy)(x)
     outputs = layers.Dense(4, dtype="float32", name="head")(x)
     return keras.Model(inputs, outputs)
@@ -83,6 +99,23 @@ def optimizer(**kwargs):
 
 def _search_loss(x, y, y_pred, sample_weight):
     return loss_fn()(y, y_pred)
+
+
+def arm(model):
+    """Sets the temperature to `ARMED`: from now on its float16 weight
+    gradient overflows at every scale."""
+    model.model.get_layer("temperature").t.assign(ARMED)
+
+
+def test_the_healthy_temperature_has_finite_gradients_at_the_initial_scale():
+    x, y = data()
+    batch = (x[:BATCH], y[:BATCH], None)
+    assert (
+        backward_search.first_non_finite_gradient(
+            build(initial=HEALTHY), _search_loss, batch, 2.0**15
+        )
+        is None
+    )
 
 
 @pytest.mark.parametrize("scale", [2.0**15, 1.0, 2.0**-24])
@@ -142,48 +175,51 @@ def test_the_loss_gradient_overflowing_a_float16_output_blames_its_layer():
     assert found == backward_search.Finding("probs", backward_search.OUTPUT)
 
 
-def _reference_loss(applied_from, x, y):
-    """float32's loss after training on the batches the promoted run
-    applied: all but the first `applied_from`."""
+def _reference_loss(x, y):
+    """float32's loss after STEPS steps on `fit`'s batches in order."""
     reference = build("float32")
     reference.compile(keras.optimizers.SGD(0.1), loss_fn())
     batches = [(x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, len(x), BATCH)]
-    for i in range(applied_from, STEPS):
+    for i in range(STEPS):
         reference.train_on_batch(*batches[i % len(batches)])
     return reference.evaluate(x, y, verbose=0)
 
 
 @pytest.mark.parametrize("jit_compile", JIT_COMPILE)
-def test_fit_promotes_the_layer_and_trains_like_float32(jit_compile):
-    """The run skips its first SKIPS steps, promotes `temperature`, and
-    trains on at the global scale it started with. Its loss is within 2%
-    of float32's after the same applied steps (the issue's bound; measured
-    0.18979 against 0.18980: the float16 rounding in `first` is all that
-    differs)."""
+def test_fit_promotes_the_layer_before_the_first_step_and_trains_like_float32(jit_compile):
+    """`fit` finds `temperature` on the first batch and promotes it before
+    the first step: nothing is skipped, and the global scale is the largest
+    power of two <= 2**15 at which the first batch's gradients are finite
+    with `temperature` in float32 (2**15). Its loss after all STEPS steps
+    is within 2% of float32's (the issue's bound; measured 0.17401 without
+    XLA and 0.17403 with it, against float32's 0.17402: the float16
+    rounding in `first` is all that differs)."""
     x, y = data()
     model = tf_als.instrument(build())
     model.compile(optimizer(), loss_fn(), jit_compile=jit_compile)
-    with pytest.warns(UserWarning, match="promoted layer 'temperature' to float32"):
+    with pytest.warns(
+        UserWarning, match="promoted layer 'temperature' to float32 at step 0"
+    ):
         model.fit(x, y, batch_size=BATCH, epochs=STEPS // 4, verbose=0, shuffle=False)
     assert tf_als.promoted(model) == [
-        promote.Promotion(
-            layer="temperature",
-            reason=f"{promote.BACKWARD} ({backward_search.WEIGHTS})",
-            step=0,
-        )
+        promote.Promotion(layer="temperature", reason=REASON, step=0)
     ]
     assert model.model.get_layer("temperature").compute_dtype == "float32"
     assert model.model.get_layer("first").compute_dtype == "float16"
-    assert int(model.optimizer.iterations.numpy()) == STEPS - SKIPS
-    assert float(model.optimizer.dynamic_scale.numpy()) == 2.0**15
-    expected = _reference_loss(SKIPS, x, y)
+    assert int(model.optimizer.iterations.numpy()) == STEPS  # nothing skipped
+    expected_scale = largest_finite_scale(
+        build(promoted={"temperature"}), _search_loss, [(x[:BATCH], y[:BATCH], None)]
+    )
+    assert float(model.optimizer.dynamic_scale.numpy()) == expected_scale
+    expected = _reference_loss(x, y)
     got = model.evaluate(x, y, verbose=0)
     assert abs(got - expected) <= 0.02 * expected, (got, expected)
 
 
 def test_fit_on_a_dataset_with_sample_weights_promotes_too():
-    """The guard re-runs `(x, y, sample_weight)` elements of a
-    `tf.data.Dataset` with the compiled loss."""
+    """The preflight re-runs the first `(x, y, sample_weight)` element of a
+    `tf.data.Dataset` with the compiled loss, and promotes before the first
+    step."""
     x, y = data()
     weights = np.linspace(0.5, 1.5, len(x)).astype("float32")
     dataset = tf.data.Dataset.from_tensor_slices((x, y, weights)).batch(BATCH)
@@ -191,8 +227,10 @@ def test_fit_on_a_dataset_with_sample_weights_promotes_too():
     model.compile(optimizer(), loss_fn())
     with pytest.warns(UserWarning, match="promoted layer 'temperature'"):
         model.fit(dataset, epochs=3, verbose=0)
-    assert [p.layer for p in tf_als.promoted(model)] == ["temperature"]
-    assert int(model.optimizer.iterations.numpy()) == 3 * 4 - SKIPS
+    assert tf_als.promoted(model) == [
+        promote.Promotion(layer="temperature", reason=REASON, step=0)
+    ]
+    assert int(model.optimizer.iterations.numpy()) == 3 * 4
 
 
 def test_without_promotion_it_stops_naming_the_layer():
@@ -203,13 +241,24 @@ def test_without_promotion_it_stops_naming_the_layer():
         model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0)
 
 
-def _alternate(opt, model, steps):
-    """A custom loop whose even steps train on an overflowing batch (and
-    are skipped) and whose odd steps apply zero gradients (finite): never
-    two skips in a row. Returns the promotions."""
+def _alternate(opt, model, steps, arm_later=False):
+    """A custom loop whose train steps run on a batch that overflows (and
+    are skipped) and whose other steps apply zero gradients (finite): never
+    two skips in a row. It checks with the loss after every step.
+
+    Armed from the start (`arm_later=False`), the train steps are the even
+    ones. With `arm_later`, the model starts healthy, step 0 applies zero
+    gradients, its check runs the preflight (finding nothing), the
+    temperature is then armed, and the train steps are the odd ones.
+
+    Returns (the promotions; for each, the global scale just before and
+    after the check that made it, the consecutive skips before it, and
+    `largest_finite_scale` of the batch on the model as the check left
+    it)."""
     x, y = data()
     xb, yb = x[:BATCH], y[:BATCH]
     loss = loss_fn()
+    trains = 1 if arm_later else 0
 
     def train_step():
         with tf.GradientTape() as tape:
@@ -223,27 +272,48 @@ def _alternate(opt, model, steps):
             model.trainable_variables,
         )
 
-    step, zero, made = tf.function(train_step), tf.function(zero_step), []
+    step, zero, made, scales = tf.function(train_step), tf.function(zero_step), [], []
     for i in range(steps):
-        step() if i % 2 == 0 else zero()
+        step() if i % 2 == trains else zero()
+        before = float(opt.dynamic_scale.numpy())
+        skips = int(opt.consecutive_skips.numpy())
         promoted = opt.check_skips(batches=lambda: [(xb, yb)], loss=loss)
         if promoted:
             made += promoted
             step = tf.function(train_step)
-    return made
+            scales.append(
+                (
+                    before,
+                    float(opt.dynamic_scale.numpy()),
+                    skips,
+                    largest_finite_scale(model.model, _search_loss, [(xb, yb, None)]),
+                )
+            )
+        if arm_later and i == 0:
+            arm(model)
+    return made, scales
 
 
-def test_frequent_skips_promote_too():
-    """SKIPS skips within 2 * SKIPS steps, never two in a row: promoted
-    at the SKIPS-th skip (step 2 * SKIPS - 1), and the overflowing batch
-    trains from then on."""
-    model = tf_als.instrument(build())
+def test_frequent_skips_promote_and_recalibrate_the_scale():
+    """The temperature overflows from step 1 on; SKIPS skips within
+    2 * SKIPS steps (steps 1, 3, 5, 7), never two in a row: promoted at the
+    SKIPS-th skip, at step SKIPS (the zero steps applied before it), and
+    the overflowing batch trains from then on. The global scale is
+    re-calibrated on the batch: the largest power of two <= 2**15 at which
+    its gradients are finite (2**15), where putting back the one skip in a
+    row would give 2**12."""
+    model = tf_als.instrument(build(initial=HEALTHY))
     opt = optimizer()
     with pytest.warns(UserWarning, match="promoted layer 'temperature'"):
-        made = _alternate(opt, model, steps=4 * SKIPS)
-    assert [p.layer for p in made] == ["temperature"]
-    assert made[0].step == SKIPS - 1  # the zero steps applied before it
+        made, scales = _alternate(opt, model, steps=4 * SKIPS, arm_later=True)
+    assert made == [promote.Promotion(layer="temperature", reason=REASON, step=SKIPS)]
+    ((before, after, skips, recalibrated),) = scales
+    assert before == 2.0**15 / 2**SKIPS
+    restored = before * 2**skips
+    assert recalibrated != restored  # the test tells the two apart
+    assert after == recalibrated
     assert int(opt.iterations.numpy()) == 4 * SKIPS - SKIPS
+    assert float(opt.dynamic_scale.numpy()) == recalibrated  # no skip since
 
 
 def test_frequent_skips_that_cannot_be_promoted_warn_once():
@@ -264,29 +334,70 @@ def _check_with_the_loss(opt, xb, yb):
     return opt.check_skips(batches=lambda: [(xb, yb)], loss=loss_fn())
 
 
-def test_a_compiled_custom_loop_promotes_with_the_loss():
+def _first_check_promotes(compiled):
+    """A custom loop that checks with the loss from its first step: the
+    first check runs the preflight, which promotes `temperature` at step 0
+    and chooses the global scale on the batch. Only the loop's first step,
+    run before any check, is skipped."""
     x, y = data()
+    xb, yb = x[:BATCH], y[:BATCH]
     model = tf_als.instrument(build())
     opt = optimizer()
+    scales = []
     promoted = custom_loop(
-        model, opt, loss_fn(), x[:BATCH], y[:BATCH], 8, _check_with_the_loss
+        model, opt, loss_fn(), xb, yb, 8, _check_with_the_loss, compiled=compiled,
+        promoted_hook=lambda made: scales.append(
+            (
+                float(opt.dynamic_scale.numpy()),
+                largest_finite_scale(model.model, _search_loss, [(xb, yb, None)]),
+            )
+        ),
     )
-    assert [p.layer for p in promoted] == ["temperature"]
-    assert int(opt.iterations.numpy()) == 8 - SKIPS
+    assert promoted == [promote.Promotion(layer="temperature", reason=REASON, step=0)]
+    assert int(opt.iterations.numpy()) == 8 - 1
+    ((scale, expected),) = scales
+    assert scale == expected
+
+
+def test_a_compiled_custom_loop_promotes_at_its_first_check_with_the_loss():
+    _first_check_promotes(compiled=True)
 
 
 def test_an_eager_loop_that_checks_promotes_too():
     """An eager loop that calls check_skips with batches takes the check
     over from `apply` (which has no batch to re-run)."""
+    _first_check_promotes(compiled=False)
+
+
+def test_a_storm_in_a_custom_loop_promotes_and_recalibrates_the_scale():
+    """Healthy for two steps (the first check's preflight finds nothing),
+    then the temperature overflows: SKIPS skips in a row, and the check
+    after the last promotes `temperature` at step 2 and re-calibrates the
+    global scale on the batch (the largest power of two <= 2**15 with
+    finite gradients). The loop trains on without another skip."""
     x, y = data()
-    model = tf_als.instrument(build())
+    xb, yb = x[:BATCH], y[:BATCH]
+    model = tf_als.instrument(build(initial=HEALTHY))
     opt = optimizer()
-    promoted = custom_loop(
-        model, opt, loss_fn(), x[:BATCH], y[:BATCH], 8, _check_with_the_loss,
-        compiled=False,
-    )
-    assert [p.layer for p in promoted] == ["temperature"]
-    assert int(opt.iterations.numpy()) == 8 - SKIPS
+    scales = []
+    steps = 2 + SKIPS + 4
+    with pytest.warns(UserWarning, match="promoted layer 'temperature'"):
+        promoted = custom_loop(
+            model, opt, loss_fn(), xb, yb, steps, _check_with_the_loss,
+            before=lambda i: arm(model) if i == 2 else None,
+            promoted_hook=lambda made: scales.append(
+                (
+                    float(opt.dynamic_scale.numpy()),
+                    largest_finite_scale(model.model, _search_loss, [(xb, yb, None)]),
+                )
+            ),
+        )
+    assert promoted == [promote.Promotion(layer="temperature", reason=REASON, step=2)]
+    ((scale, expected),) = scales
+    assert scale == expected
+    assert int(opt.iterations.numpy()) == steps - SKIPS
+    assert float(opt.dynamic_scale.numpy()) == expected
+    assert all(np.all(np.isfinite(w)) for w in model.get_weights())
 
 
 def test_an_eager_loop_that_does_not_check_stops_in_apply():
@@ -328,18 +439,23 @@ def _oracle_cases():
 
 @pytest.mark.parametrize("case", _oracle_cases())
 def test_no_healthy_model_has_a_layer_to_blame(case):
-    """Promotion acts on what the eager searches blame, and only after
-    `max_consecutive_skips` halvings of the global scale (from 2**15 to
-    2**-17 at the default 32, where a healthy model's float16 gradients
-    mostly underflow and none overflows). On every model of the gradient
-    oracle, the searches blame nothing even at a unit loss scale, with
-    the true gradients: a healthy run has nothing to promote."""
+    """What `fit` runs on the first batch (`tf_als.preflight`) promotes
+    nothing on a healthy model: on every model of the gradient oracle,
+    no layer's float16 forward output is non-finite or strays from its
+    float32 re-run by more than `preflight.RELATIVE_ERROR` of its largest
+    value, no float16 output's targets or loss fail (`forward_failures`,
+    without and with the loss), and the backward search blames nothing
+    even at a unit loss scale (the preflight promotes for the backward pass
+    only when the gradients are not finite at `MIN_SCALE`, or below 1 for
+    a float16 model output)."""
     _, mixed = case.build_pair()
     x, y = case.data()
 
     def loss(x, y, y_pred, sample_weight):
         return case.loss(y, y_pred)
 
+    assert preflight.forward_failures(mixed, (x, y, None), case.training) == []
+    assert preflight.forward_failures(mixed, (x, y, None), case.training, loss) == []
     found = backward_search.first_non_finite_gradient(
         mixed, loss, (x, y, None), 1.0, training=case.training
     )

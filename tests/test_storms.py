@@ -11,7 +11,10 @@ compiled custom loops, and for plain models with the guard callback.
 The model: first -> boom -> second -> head (float32 output), MSE on one-hot
 targets. `boom` multiplies by a trainable scalar; when armed, its backward
 pass turns the gradient it passes on into inf (its own weight gradient stays
-finite), a layer-local overflow that no loss scale cures.
+finite), a layer-local overflow that no loss scale cures, in float16 and
+float32 alike: promoting `boom` cannot help, so `promote_on_storm` (on by
+default) must leave it as it is and the storm error must still say what
+happened.
 """
 
 import keras
@@ -20,6 +23,7 @@ import pytest
 import tensorflow as tf
 
 import tf_als
+from tf_als import preflight
 from tests.modes import JIT_COMPILE, loop_step
 
 BATCH = 16
@@ -168,6 +172,9 @@ def test_storm_stops_fit_naming_the_layer(jit_compile):
     assert int(optimizer.consecutive_skips) == 4
     assert int(optimizer.iterations) == iterations
     assert float(optimizer.dynamic_scale) == 2.0**15 / 2**4
+    # `boom` fails in float32 too: nothing was promoted.
+    assert tf_als.promoted(model) == []
+    assert plain.get_layer("boom").compute_dtype == "float16"
 
 
 def test_nan_data_storm_points_at_the_loss():
@@ -251,6 +258,44 @@ def test_none_never_stops():
     assert int(optimizer.consecutive_skips) == 6
     assert float(optimizer.dynamic_scale) == 2.0**15 / 2**6
     optimizer.check_skips()
+
+
+def test_the_global_scale_has_a_floor():
+    """Keras halves its global scale at every skipped step, for good: from
+    2**15, 165 skips in a row take it to exactly 0 (float32's smallest
+    subnormal is 2**-149), and the next finite step divides its gradients
+    by 0 and applies NaN. With the stop and promotion off, tf_als skips as
+    many steps of a NaN batch and stops halving at `preflight.MIN_SCALE`;
+    the next finite step applies finite gradients."""
+    skips = 170
+    x, y = batch(size=skips * BATCH)
+    x[:, 0] = np.nan
+    good_x, good_y = batch(seed=1)
+
+    # The premise: Keras's LossScaleOptimizer on the same model.
+    _, keras_plain, _ = build(instrumented=False)
+    keras_plain.compile(
+        keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-2)), "mse"
+    )
+    keras_plain.fit(x, y, batch_size=BATCH, verbose=0, shuffle=False)
+    assert float(keras_plain.optimizer.dynamic_scale) == 0.0
+    keras_plain.train_on_batch(good_x, good_y)
+    assert not all(np.all(np.isfinite(w)) for w in keras_plain.get_weights())
+
+    model, plain, optimizer = build(max_consecutive_skips=None, promote_on_storm=False)
+    model.compile(optimizer, "mse")
+    model.fit(x, y, batch_size=BATCH, verbose=0, shuffle=False)
+    assert int(optimizer.consecutive_skips) == skips
+    assert int(optimizer.iterations) == 0
+    assert float(optimizer.dynamic_scale) == preflight.MIN_SCALE
+    before = [np.array(w) for w in plain.get_weights()]
+    loss = float(model.train_on_batch(good_x, good_y))
+    assert np.isfinite(loss)
+    assert int(optimizer.iterations) == 1
+    after = [np.array(w) for w in plain.get_weights()]
+    assert all(np.all(np.isfinite(w)) for w in after)
+    assert any(not np.array_equal(a, b) for a, b in zip(before, after))
+    assert float(optimizer.dynamic_scale) == preflight.MIN_SCALE
 
 
 def test_fit_adds_one_guard_to_the_callbacks_given(monkeypatch):
