@@ -135,7 +135,7 @@ def test_config_round_trip(mixed):
     _, model = architectures.CASES[5].build_pair()
     instrumented = tf_als.instrument(model)
     config = instrumented.get_config()
-    assert set(config) == {"name", "trainable", "model", "promotions"}
+    assert set(config) == {"name", "trainable", "model", "promotions", "float32_outputs"}
     assert config["promotions"] == []
     clone = tf_als.InstrumentedModel.from_config(config)
     assert list(tf_als.scales(clone)) == list(tf_als.scales(instrumented))

@@ -82,6 +82,7 @@ class Backward:
         self._used = {}  # point -> scale used in this pass
         self._input_scales = {}  # point -> T its input gradients carry
         self._limits = {}  # graph (None: eager) -> the pass's headroom
+        self._halves = {}  # point -> its float16 forward outputs
 
     # -- the three custom-gradient identities ------------------------------
 
@@ -188,7 +189,7 @@ class Backward:
                     upstream, [self.scales.slot(call.outputs[i]) for i in floats]
                 )
             ]
-            scale = self._scale(call.point, upstream, common, ys)
+            scale = self._scale(call.point, upstream, common)
             scale_in = scale * common
             self.scales.point_scales[call.index] = scale_in
             self._input_scales[call.point] = scale_in
@@ -225,7 +226,7 @@ class Backward:
                 for y, dy in zip(ys, upstream)
             ]
             scale_out = self._interior.get(parent, 1.0)
-            scale = self._scale(point, upstream, scale_out, ys)
+            scale = self._scale(point, upstream, scale_out)
             scale_in = scale * scale_out
             self._input_scales[point] = scale_out
             input_grads, variable_grads = self._inside(
@@ -283,6 +284,7 @@ class Backward:
         ys = scaled(*xs)
         if not isinstance(ys, (list, tuple)):
             ys = [ys]
+        self._halves.setdefault(point, [y for y in ys if y.dtype == tf.float16])
         outputs = list(tree.flatten(results["outputs"]))
         for i, y in zip(results["floats"], ys):
             _keras.copy_mask(outputs[i], y)
@@ -325,13 +327,11 @@ class Backward:
         ]
         return grads[: len(xs)], variable_grads
 
-    def _scale(self, point, upstream, scale_out, outputs=()):
+    def _scale(self, point, upstream, scale_out):
         """The point's scale s_n, chosen from `upstream`, the gradients it
-        is about to scale (which carry `scale_out`), and recorded with the
-        float16 ones among its forward `outputs` (kept by reference for the
-        forward telemetry). A layer called several times inside one
-        enclosing call is one inner point: the first of its calls to run
-        backwards chooses."""
+        is about to scale (which carry `scale_out`), and recorded. A layer
+        called several times inside one enclosing call is one inner point:
+        the first of its calls to run backwards chooses."""
         if point in self._used:
             return self._used[point]
         config = self.config
@@ -362,12 +362,30 @@ class Backward:
                 amax, self._headroom(), config.max_layer_scale, scale_out
             )
         samples = tuple(rule.sample(dy) for dy in upstream)
-        halves = tuple(y for y in outputs if y.dtype == tf.float16)
-        self.record.put(
-            point, pass_record.PointRecord(scale, scale_out, amax, samples, halves)
-        )
+        self.record.put(point, pass_record.PointRecord(scale, scale_out, amax, samples))
         self._used[point] = scale
         return scale
+
+    def measure_forward(self) -> None:
+        """At the end of a training forward pass: the forward headroom of
+        every point's float16 outputs (`tf_als.rule.forward_headroom`), in
+        one branch for the whole model that measures only when the state
+        says the coming step is a telemetry step (zeros otherwise), left
+        in the pass record for `tf_als.update`. Measured here, not in the
+        optimizer's `apply`, so that no activation outlives the forward
+        pass for it."""
+        points = sorted(self._halves)
+        if not points:
+            return
+        outputs = [self._halves[p] for p in points]
+
+        def measure():
+            return tf.stack([rule.forward_headroom(o) for o in outputs])
+
+        due = tf.convert_to_tensor(self.state.telemetry_next) > 0
+        rows = tf.cond(due, measure, lambda: tf.zeros([len(points), 2]))
+        self.record.put_forward(dict(zip(points, tf.unstack(rows))))
+        self._halves = {}
 
     def _headroom(self):
         """`tf_als.rule.headroom` of this pass, read once per graph (every

@@ -372,6 +372,8 @@ class InstrumentedModel(keras.Model):
             outputs = back.wrap_inner_call(0, self.model, (inputs,), kwargs)
         else:
             outputs = _run(self._plan, back, inputs, training, mask)
+        if training:
+            back.measure_forward()
         return self._for_the_loss(outputs, training)
 
     def _for_the_loss(self, outputs, training):
@@ -469,7 +471,18 @@ class InstrumentedModel(keras.Model):
             return
         if optimizer.built and int(keras.ops.convert_to_numpy(optimizer.iterations)):
             return
-        optimizer.preflight(self, batches, loss=self._compiled_loss)
+        # Under a strategy Keras builds the optimizer's variables in its
+        # scope (`fit` does it later); the preflight builds them now.
+        with self.distribute_strategy.scope():
+            optimizer.preflight(self, batches, loss=self._compiled_loss)
+
+    def forget_traces(self) -> None:
+        """Drops the traced train, test and predict functions (Keras makes
+        them again on their next use): after a promotion, so that they
+        compute the promoted layers in float32."""
+        self.make_train_function(force=True)
+        self.make_test_function(force=True)
+        self.make_predict_function(force=True)
 
     def _compiled_loss(self, y, y_pred, sample_weight=None):
         return self.compute_loss(y=y, y_pred=y_pred, sample_weight=sample_weight)

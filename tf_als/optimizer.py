@@ -341,10 +341,12 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def _schedule(self, model):
         """After Keras's apply, what `model`'s next backward pass needs from
-        this optimizer: the global scale's back-off, and (paper rule)
-        whether it updates the scales, from the count of `apply` calls now
+        this optimizer: the global scale's back-off, whether it is a
+        telemetry step (its forward pass then measures its outputs), and
+        (paper rule) whether it updates the scales, from the count of `apply` calls now
         (a skipped step did not advance it, so its retry updates again)."""
         model.scaling_state.backoff.assign(self._backoff())
+        model.scaling_state.telemetry_next.assign(self._due(self.telemetry_interval))
         if self.rule == "paper":
             model.scaling_state.due.assign(self._due(self.update_interval))
 
@@ -559,7 +561,7 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         step = int(keras.ops.convert_to_numpy(self.iterations))
         if not self.promote_on_storm or len(models) != 1 or step > 1:
             return []
-        made, _ = self.preflight(models[0], batches, loss)
+        made, _ = self.preflight(models[0], batches, loss, first=step == 0)
         return list(made)
 
     def _promote_on_frequent_skips(self, window, batches, loss):
@@ -607,7 +609,7 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 "backward pass failed, and re-running it needs the loss "
                 "(pass `loss=` and batches of `(x, y)` to check_skips)"
             )
-        made, why = self.preflight(models[0], batches, loss, limit=8)
+        made, why = self.preflight(models[0], batches, loss, limit=8, first=False)
         if not made and why is None:
             why = (
                 "an eager re-run of the training batches found no layer whose "
@@ -621,14 +623,19 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             ) + ")"
         return made, why
 
-    def preflight(self, model, batches, loss=None, limit: int = 1) -> tuple:
+    def preflight(
+        self, model, batches, loss=None, limit: int = 1, first: bool = True
+    ) -> tuple:
         """Runs `tf_als.preflight` on up to `limit` of `batches` (a callable
         returning `(x, y[, sample_weight])` tuples, or input batches when
         `loss` is None): promotes the layers of `model` whose float16
         arithmetic fails on them, with a warning each, and sets the global
         scale to the largest power of two, at most `initial_scale`, at
         which their gradients are finite. `fit` calls it on the first batch
-        before the first step; a storm calls it through `check_skips`.
+        before the first step (`first`: the scale is chosen even when
+        nothing is promoted); a storm calls it through `check_skips`
+        (`first=False`: the scale is re-calibrated only after a promotion,
+        and otherwise left, with the skip record, for the storm error).
 
         Returns:
             (the promotions made; why a failure was left unpromoted, or
@@ -645,7 +652,7 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             loss_fn,
             self.initial_scale,
             step,
-            choose=step == 0,
+            choose=first,
         )
         for promotion in outcome.promotions:
             warnings.warn(
@@ -655,7 +662,9 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 "promotions).",
                 stacklevel=4,
             )
-        if outcome.promotions or step == 0:
+        if outcome.promotions:
+            model.forget_traces()  # The promoted layers trace in float32.
+        if outcome.promotions or first:
             self._restart(model, outcome.scale)
         return outcome.promotions, outcome.stopped
 

@@ -31,16 +31,12 @@ class PointRecord(NamedTuple):
         amax: float32 scalar, the incoming gradient's amax.
         samples: the `tf_als.rule.sample` of each incoming gradient, for
             the telemetry (tallied on telemetry steps only).
-        outputs: the point's float16 forward outputs, for the forward
-            telemetry (`tf_als.rule.forward_headroom`, measured on
-            telemetry steps only; until then a reference, no copy).
     """
 
     scale: tf.Tensor
     scale_out: tf.Tensor
     amax: tf.Tensor
     samples: tuple
-    outputs: tuple = ()
 
 
 class PassRecord:
@@ -59,9 +55,12 @@ class PassRecord:
 
     def __init__(self):
         # graph -> {replica: {point: PointRecord}}; an entry lives as long
-        # as its graph.
+        # as its graph. The same for the forward headroom of the latest
+        # forward pass (`put_forward`).
         self._graphs = weakref.WeakKeyDictionary()
         self._eager = {}
+        self._forward_graphs = weakref.WeakKeyDictionary()
+        self._forward_eager = {}
 
     def put(self, point: int, record: PointRecord) -> None:
         """Records `point`'s choice (a later pass in the same graph, such as
@@ -73,21 +72,29 @@ class PassRecord:
         pass's), by point index; empty when no pass ran there."""
         return dict(self._current(create=False) or {})
 
-    def release_outputs(self) -> None:
-        """Forgets the forward outputs of the records `latest()` returns
-        (the rest stays): in eager code they would otherwise hold a pass's
-        activations until the next pass replaced them."""
-        records = self._current(create=False) or {}
-        for point, record in records.items():
-            records[point] = record._replace(outputs=())
+    def put_forward(self, rows: dict) -> None:
+        """Records the forward headroom of the latest forward pass: point
+        index -> float32 [2] (`tf_als.rule.forward_headroom`), measured at
+        the end of the forward pass (zeros on other than telemetry
+        steps)."""
+        current = self._current(create=True, forward=True)
+        current.clear()
+        current.update(rows)
 
-    def _current(self, create):
+    def latest_forward(self) -> dict:
+        """`put_forward`'s rows of the graph being traced (eagerly: the
+        latest), by point index."""
+        return dict(self._current(create=False, forward=True) or {})
+
+    def _current(self, create, forward=False):
         graph = unscaled.traced_graph()
-        records = self._eager if graph is None else self._graphs.get(graph)
+        graphs = self._forward_graphs if forward else self._graphs
+        eager = self._forward_eager if forward else self._eager
+        records = eager if graph is None else graphs.get(graph)
         if records is None:
             if not create:
                 return None
-            records = self._graphs.setdefault(graph, {})
+            records = graphs.setdefault(graph, {})
         replica = _replica()
         if create:
             return records.setdefault(replica, {})

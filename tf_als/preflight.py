@@ -156,13 +156,16 @@ def check(
     outcome.scale       # 0.0001220703125
     ```
     """
-    made = []
+    made, previous = [], {}
     while True:
         findings = forward_failures(model.model, batch, training, loss_fn)
         if not findings and loss_fn is not None:
             findings = backward_failures(model.model, batch, loss_fn, training)
+        again = [f for f in findings if f.layer in previous]
+        if again:
+            return _taken_back(model, made, previous, again[0])
         if findings:
-            new, stopped = promote.promote_all(model, findings, step)
+            new, stopped = promote.promote_all(model, findings, step, previous)
             made.extend(new)
             if stopped is not None or not new:
                 return Outcome(tuple(made), None, stopped)
@@ -171,6 +174,19 @@ def check(
         if choose and loss_fn is not None:
             chosen = largest_finite_scale(model.model, batch, loss_fn, scale, training)
         return Outcome(tuple(made), chosen, None)
+
+
+def _taken_back(model, made, previous, finding) -> Outcome:
+    """The layer of `finding` was promoted by this check and fails the same
+    way in float32: its promotion is undone."""
+    promote.undo(model, finding.layer, previous[finding.layer])
+    kept = tuple(p for p in made if p.layer != finding.layer)
+    return Outcome(
+        kept,
+        None,
+        f"layer {finding.layer!r} is not finite in float32 either "
+        f"({finding.reason}), so promoting it cannot help",
+    )
 
 
 def forward_failures(

@@ -109,10 +109,11 @@ def kind(reason: str) -> str:
     return next((k for k in KINDS if reason.startswith(k)), reason)
 
 
-def promote_all(model: keras.Model, findings, step: int) -> tuple:
+def promote_all(model: keras.Model, findings, step: int, previous=None) -> tuple:
     """Switches the layers of `findings` (`tf_als.preflight.Finding`s:
     layer path and reason) to float32, all of them, within the cap of
-    `MAX_FAILURES` distinct failures.
+    `MAX_FAILURES` distinct failures. `previous`, a dict, receives each
+    promoted layer's former policy name (for `undo`).
 
     Returns:
         (the new `Promotion`s, in order; why a finding was left
@@ -139,12 +140,22 @@ def promote_all(model: keras.Model, findings, step: int) -> tuple:
                 + "); a model failing in more ways than that needs a look, "
                 "not more float32"
             )
+        if previous is not None:
+            previous[finding.layer] = layer.dtype_policy.name
         _keras.set_dtype_policy(layer, "float32")
         promotion = Promotion(layer=finding.layer, reason=finding.reason, step=step)
         model.promotions.append(promotion)
         made.append(promotion)
     _log(model)
     return tuple(made), None
+
+
+def undo(model: keras.Model, path: str, policy: str) -> None:
+    """Takes back the promotion of the layer at `path`, which computes under
+    `policy` again (it failed in float32 too)."""
+    _keras.set_dtype_policy(_layer_at(model.model, path), policy)
+    model.promotions[:] = [p for p in model.promotions if p.layer != path]
+    _log(model)
 
 
 def restore(model: keras.Model, records: Iterable[dict]) -> None:

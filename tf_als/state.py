@@ -31,7 +31,7 @@ RECORD_FIELDS = ("cumulative_scale",) + rule.GradientStatistics._fields + FORWAR
 # The variables, in the order they are created (and saved).
 VARIABLES = (
     "scales", "records", "histograms", "last_updates", "due", "backoff",
-    "zero_gradient_steps",
+    "zero_gradient_steps", "telemetry_next",
 )
 # Older `.keras` layouts, by how many variables they saved: each
 # variable's name by position (None: since removed). Both saved records of
@@ -86,6 +86,9 @@ class ScalingState(keras.layers.Layer):
       that was exactly zero everywhere (0 after any other step): a loss
       stuck at a constant, such as a float16 sum that overflowed
       (`tf_als.silent` warns).
+    - `telemetry_next`: int64 scalar, 1 when the coming step is a telemetry
+      step (the optimizer writes it after each step, as `due`): the forward
+      pass measures its outputs' headroom then.
 
     The scales are chosen inside the backward pass, each from the
     gradient it is applied to; the `apply` of an optimizer applying the
@@ -135,6 +138,7 @@ class ScalingState(keras.layers.Layer):
         self.zero_gradient_steps = self._state(
             "zero_gradient_steps", np.zeros([], np.int32)
         )
+        self.telemetry_next = self._state("telemetry_next", np.ones([], np.int64))
         self.built = True
 
     def _state(self, name, initial):

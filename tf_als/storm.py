@@ -211,9 +211,6 @@ class NonFiniteGuard(keras.callbacks.Callback):
             if hint is None:
                 raise
             raise NonFiniteStormError(f"{error} {hint}") from None
-        if promoted:
-            # The next batch traces the promoted layers in float32.
-            self.model.make_train_function(force=True)
 
     def _compiled_loss(self, y, y_pred, sample_weight=None):
         return self.model.compute_loss(y=y, y_pred=y_pred, sample_weight=sample_weight)

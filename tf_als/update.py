@@ -18,11 +18,11 @@ optimizer calls `write_pass`, which
 3. on telemetry steps (every `telemetry_interval` steps), tallies each
    point's sample of its incoming gradient (`tf_als.rule.telemetry_tally`),
    derives the statistics and histograms of all points at once
-   (`tf_als.rule.statistics_of_tallies`), measures each point's float16
-   forward outputs (`tf_als.rule.forward_headroom`: exact amax and
-   near-maximum share) and writes the records: one branch for the whole
-   model, never one per point. On other steps the forward outputs cost
-   nothing here: the record only refers to them.
+   (`tf_als.rule.statistics_of_tallies`), adds the forward headroom the
+   forward pass measured (`tf_als.backward.Backward.measure_forward`: the
+   exact amax and near-maximum share of each point's float16 outputs) and
+   writes the records: one branch for the whole model, never one per
+   point.
 
 Nothing is exchanged between replicas: each replica's points chose from
 its own gradients and unscaled its own weight gradients before Keras sums
@@ -64,9 +64,12 @@ def write_pass(model, step, keep, telemetry_due, config) -> None:
         tf.where(keep, tf.tensor_scatter_nd_update(current, rows, chosen), current)
     )
     count_zero_gradients(state, tf.stack([records[p].amax for p in points]))
+    forward = model.pass_record.latest_forward()
 
     def telemetry():
-        values, histograms = _telemetry_rows(records, points, chosen, config)
+        values, histograms = _telemetry_rows(
+            records, forward, points, chosen, config
+        )
         steps = tf.fill([len(points)], tf.cast(step, tf.int64))
         writes = [
             state.records.assign(_scatter(state.records, rows, values)),
@@ -77,11 +80,9 @@ def write_pass(model, step, keep, telemetry_due, config) -> None:
             return tf.constant(True)
 
     tf.cond(telemetry_due, telemetry, lambda: tf.constant(False))
-    if tf.executing_eagerly():
-        model.pass_record.release_outputs()
 
 
-def _telemetry_rows(records, points, chosen, config):
+def _telemetry_rows(records, forward, points, chosen, config):
     """`(records, histograms)` rows of `points` (in `RECORD_FIELDS` order)
     from their `PointRecord`s and `chosen` scales: the statistics of each
     incoming gradient's sample, and the forward headroom of each point's
@@ -96,11 +97,11 @@ def _telemetry_rows(records, points, chosen, config):
         tallies, config.underflow_rate
     )
     scale_in = chosen * tf.stack([records[p].scale_out for p in points])
-    forward = tf.stack(
-        [rule.forward_headroom(records[p].outputs) for p in points], axis=1
+    headroom = tf.stack(
+        [forward.get(p, tf.zeros([2])) for p in points], axis=1
     )
     values = state_module.record_vector(
-        scale_in, statistics, tf.unstack(forward), axis=1
+        scale_in, statistics, tf.unstack(headroom), axis=1
     )
     return values, histograms
 
