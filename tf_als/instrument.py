@@ -471,10 +471,13 @@ class InstrumentedModel(keras.Model):
             return
         if optimizer.built and int(keras.ops.convert_to_numpy(optimizer.iterations)):
             return
-        # Under a strategy Keras builds the optimizer's variables in its
-        # scope (`fit` does it later); the preflight builds them now.
-        with self.distribute_strategy.scope():
-            optimizer.preflight(self, batches, loss=self._compiled_loss)
+        if not optimizer.built:
+            # Under a strategy Keras creates the optimizer's variables in
+            # its scope (`fit` does it later). The eager checks run outside
+            # it, where a mirrored variable reads as its first copy.
+            with self.distribute_strategy.scope():
+                optimizer.build(self.trainable_variables)
+        optimizer.preflight(self, batches, loss=self._compiled_loss)
 
     def forget_traces(self) -> None:
         """Drops the traced train, test and predict functions (Keras makes
