@@ -213,7 +213,7 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # Whether the first batch was checked (`preflight`), and whether a
         # global scale below 1 was looked into (`_promote_below_one`).
         self._preflown = False
-        self._looked_below_one = False
+        self._looked_below = float("inf")
         # While `apply` runs: (its gradients, their `_finite_flags`).
         self._checked = None
         # Weak references to the instrumented models whose variables the
@@ -539,14 +539,16 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """A skip took the global scale below 1: every gradient of the model
         is now shrunk to serve one, usually a float16 model output that
         cannot carry the loss's gradient (a float16 softmax under a
-        cross-entropy). Looks once for such a layer (`tf_als.preflight`)
-        and promotes it; says nothing when there is none (a model whose
-        gradients are large everywhere)."""
-        if skips == 0 or self._looked_below_one or batches is None or loss is None:
+        cross-entropy). Looks for such a layer (`tf_als.preflight`, the
+        latest batches first) and promotes it; says nothing when there is
+        none (a model whose gradients are large everywhere). Looks again
+        only once the scale has fallen another 2**4."""
+        if skips == 0 or batches is None or loss is None:
             return []
-        if float(keras.ops.convert_to_numpy(self.dynamic_scale)) >= 1.0:
+        scale = float(keras.ops.convert_to_numpy(self.dynamic_scale))
+        if scale >= min(1.0, self._looked_below / 2.0**4):
             return []
-        self._looked_below_one = True
+        self._looked_below = scale
         made, _ = self._promote(batches, loss)
         return list(made)
 
@@ -683,7 +685,7 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.window_skips.assign(0)
         self.loss_finite.assign(-1)
         self.first_non_finite.assign([-1, -1, -1])
-        self._looked_below_one = False
+        self._looked_below = float("inf")
         self._schedule(model)
 
     def scale_loss(self, loss: tf.Tensor) -> tf.Tensor:

@@ -10,7 +10,8 @@ found it:
 
 1. **Forward.** The batch runs once in the model's precision; then every
    leaf layer with weights that computes in float16 runs again in float32
-   on the very inputs it received. It fails when its float16 output is not
+   on the very inputs it received (a Keras layer whose float16 output is
+   finite is not: Keras accumulates and takes statistics in float32). It fails when its float16 output is not
    finite while float32's is, or strays from float32's by more than
    `RELATIVE_ERROR` of float32's largest magnitude (a hand-written
    normalisation whose float16 count overflowed reads a mean and variance
@@ -30,9 +31,9 @@ found it:
    failures is reached; then S is set.
 
 A healthy model costs one eager forward pass, one float32 re-run of each
-leaf layer and two backward passes (at 1 and at the initial scale) on one
-batch, once; more only when the initial scale overflows (a bisection of
-about six backward passes).
+leaf layer not from Keras and one backward pass (at the initial scale) on
+one batch, once; more only when the initial scale overflows (the check at
+1, and a bisection of about six backward passes).
 """
 
 import dataclasses
@@ -157,10 +158,16 @@ def check(
     ```
     """
     made, previous = [], {}
+    top = math.floor(math.log2(scale))
     while True:
         findings = forward_failures(model.model, batch, training, loss_fn)
+        at_top = None
         if not findings and loss_fn is not None:
-            findings = backward_failures(model.model, batch, loss_fn, training)
+            # Finite at the initial scale: finite below it too (a smaller
+            # scale can only underflow), so nothing fails backward.
+            at_top = _probe(model.model, batch, loss_fn, top, training)
+            if at_top is not None:
+                findings = backward_failures(model.model, batch, loss_fn, training)
         again = [f for f in findings if f.layer in previous]
         if again:
             return _taken_back(model, made, previous, again[0])
@@ -172,7 +179,9 @@ def check(
             continue
         chosen = None
         if choose and loss_fn is not None:
-            chosen = largest_finite_scale(model.model, batch, loss_fn, scale, training)
+            chosen = 2.0**top if at_top is None else largest_finite_scale(
+                model.model, batch, loss_fn, scale, training
+            )
         return Outcome(tuple(made), chosen, None)
 
 
@@ -269,6 +278,12 @@ def _stray(layer, arguments, outputs) -> Optional[str]:
     args, kwargs = arguments
     if not _all_finite((args, kwargs)):
         return None
+    if _all_finite(outputs) and _from_keras(layer):
+        # Keras's own layers accumulate in float32 (matmuls, convolutions)
+        # and compute normalisation statistics in float32: a finite float16
+        # output of theirs is float32's, rounded. Layers written elsewhere
+        # (hand-written statistics) are run again.
+        return None
     with _keras.dtype_policy([layer], "float32"):
         expected = layer(*_to_float32(args), **_to_float32(kwargs))
     got, want = _floats(outputs), _floats(expected)
@@ -288,6 +303,10 @@ def _stray(layer, arguments, outputs) -> Optional[str]:
             "that reads 0)"
         )
     return None
+
+
+def _from_keras(layer) -> bool:
+    return type(layer).__module__.split(".")[0] in ("keras", "keras_hub")
 
 
 def _unreachable_targets(calls, y_pred, y) -> list:

@@ -9,6 +9,7 @@ recorded at the first skip of the streak into an error that names the layer
 and says what to try, and holds the callback that raises it in `fit`.
 """
 
+import itertools
 from typing import Optional
 
 import keras
@@ -144,6 +145,21 @@ def _plain_after(optimizer, variable):
     return None
 
 
+def _latest_first(batches, index, count=8):
+    """`batches` (a callable, or None) as a callable giving the `count`
+    batches up to `index` of the epoch, the latest first: the ones that
+    may have just failed (with `steps_per_execution`, any of the last
+    run), then the epoch's first ones."""
+    if batches is None:
+        return None
+
+    def latest():
+        recent = list(itertools.islice(batches(), max(0, index + 1 - count), index + 1))
+        return itertools.chain(reversed(recent), batches())
+
+    return latest
+
+
 class NonFiniteGuard(keras.callbacks.Callback):
     """Stops `fit` with a `NonFiniteStormError` once the model's
     `AdaptiveLossScaleOptimizer` has skipped `max_consecutive_skips` steps in
@@ -205,7 +221,9 @@ class NonFiniteGuard(keras.callbacks.Callback):
         else:
             batches, loss = self._input_batches, None
         try:
-            promoted = check(attempted=self._batches, batches=batches, loss=loss)
+            promoted = check(
+                attempted=self._batches, batches=_latest_first(batches, batch), loss=loss
+            )
         except NonFiniteStormError as error:
             hint = self._forward_hint(optimizer)
             if hint is None:
