@@ -79,6 +79,7 @@ def test_the_float16_softmax_top_of_efficientnet(mixed):
     assert result("softmax_top", "tf_als", 0).scale >= 1.0
 
 
+@pytest.mark.slow
 def test_keras_fails_where_tf_als_does_not(mixed):
     """The premise, on the cheapest case: Keras's `LossScaleOptimizer` loses
     the dollar regression (its scale halves to its floor of 0 and the
