@@ -65,7 +65,8 @@ def _check_lift(model):
 
 def _compare(build, loss, batches, **optimizer_kwargs):
     """Asserts tf_als skips no more steps than Keras and ends at no lower
-    global scale; returns tf_als's trained model and optimizer."""
+    global scale (one power of two lower where it skipped fewer); returns
+    tf_als's trained model and optimizer."""
     keras_skips, keras_scale, _, _ = _run(build, loss, batches, False)
     als_skips, als_scale, model, optimizer = _run(
         build, loss, batches, True, **optimizer_kwargs
@@ -75,7 +76,16 @@ def _compare(build, loss, batches, **optimizer_kwargs):
         f"tf_als: {als_skips} skipped, S = 2**{np.log2(als_scale):g}"
     )
     assert als_skips <= keras_skips, what
-    assert als_scale >= keras_scale, what
+    # Since 0.4 tf_als chooses its first global scale on the first batch,
+    # by an eager re-run, instead of skipping its way down; the eager
+    # float16 kernels may round differently from the compiled step's, and
+    # the scale chosen can be one power of two below where Keras's skips
+    # end (measured on ResNet50: Keras 12 skips, S = 2**3; tf_als 0 skips,
+    # S = 2**2). Without that saving, no lower scale at all.
+    if als_skips < keras_skips:
+        assert als_scale >= keras_scale / 2.0, what
+    else:
+        assert als_scale >= keras_scale, what
     return model, optimizer
 
 

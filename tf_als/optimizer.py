@@ -106,23 +106,23 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             twice as many steps, not in a row, warn once instead (the run
             goes on, at a global scale that keeps halving). None never
             stops or warns, as Keras's `LossScaleOptimizer`.
-        promote_on_storm: bool, default True. Where the run would stop
-            (`max_consecutive_skips` skips in a row) or stall (as many
-            skips within twice that many steps), find the layer whose
-            float16 arithmetic fails and switch it to float32
-            (`tf_als.promote`: at most 10% of the layers with weights),
-            put the global scale back where it was before the skips, and
-            train on. The layer is found by re-running training batches
-            eagerly: when the loss was not finite, the first layer whose
-            float16 output is not finite; when only the gradients were,
-            the first layer (walking from the loss) whose float16 backward
-            pass turns a finite gradient into a non-finite one, at the
-            global scale the run fell to, or the layer whose float16 output
-            cannot carry the loss's gradient (a float16 softmax under a
-            cross-entropy). When nothing can be promoted, consecutive skips
-            raise the storm error and frequent ones warn once. A run that
-            never skips that often is unchanged; with
-            `max_consecutive_skips=None` it never acts.
+        promote_on_storm: bool, default True. Find the layers whose float16
+            arithmetic fails and switch them to float32, the expert's
+            one-line fix (`tf_als.preflight`, `tf_als.promote`): on the
+            first batch, before `fit`'s first step (a custom loop: its
+            first `check_skips` with batches and the loss), and where the
+            run would stop (`max_consecutive_skips` skips in a row), stall
+            (as many skips within twice that many steps) or fall below a
+            global scale of 1. The checks re-run batches eagerly: each
+            float16 layer output against the layer's float32 re-run, model
+            outputs against their targets and the loss, the backward pass
+            at every scale. Every failing layer is promoted at once (at
+            most 4 distinct failures per model), and the global scale is
+            then set where the batch's gradients are finite (before the
+            first step too: a model that overflows at `initial_scale`
+            skips no step to find out). When nothing can be promoted,
+            consecutive skips raise the storm error and frequent ones warn
+            once. False: Keras's behaviour, with the storm error.
         rule: `"amax"` (default) or `"paper"`, how the points choose their
             scales (see above; `tf_als.config.ScalingConfig`). The paper's
             percentile sorts each point's gradient (`tfp.stats.percentile`)
