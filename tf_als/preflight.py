@@ -246,11 +246,7 @@ def _loss_overflows(calls, y_pred, batch, loss_fn) -> list:
         return []
     findings = []
     for output in outputs:
-        producer = next(
-            (layer for layer, _, out in calls
-             if any(o is output for o in keras.tree.flatten(out))),
-            None,
-        )
+        producer = _producer(calls, output)
         if producer is not None:
             findings.append(
                 Finding(
@@ -305,6 +301,16 @@ def _stray(layer, arguments, outputs) -> Optional[str]:
     return None
 
 
+def _producer(calls, output):
+    """The innermost layer of `calls` (in completion order) whose outputs
+    include the tensor `output`, or None."""
+    return next(
+        (layer for layer, _, out in calls
+         if any(o is output for o in keras.tree.flatten(out))),
+        None,
+    )
+
+
 def _from_keras(layer) -> bool:
     return type(layer).__module__.split(".")[0] in ("keras", "keras_hub")
 
@@ -323,11 +329,7 @@ def _unreachable_targets(calls, y_pred, y) -> list:
         largest = float(tf.reduce_max(tf.abs(tf.cast(target, tf.float32))))
         if largest < FLOAT16_MAX / TARGET_FACTOR:
             continue
-        producer = next(
-            (layer for layer, _, out in calls
-             if any(o is output for o in keras.tree.flatten(out))),
-            None,
-        )
+        producer = _producer(calls, output)
         if producer is not None:
             findings.append(
                 Finding(
