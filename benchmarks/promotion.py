@@ -178,7 +178,8 @@ def main():
         texts.append(
             f"## {scenario}\n\n{table(results)}\n\ntf_als promoted "
             f"{promoted['promoted']!r} at step {promoted['promotion_step']} "
-            f"(after {promoted['lost']} skipped steps: max_consecutive_skips).\n"
+            f"after {promoted['lost']} skipped steps (since 0.4 the first "
+            "batch is checked before the first step).\n"
         )
         everything[scenario] = results
     text = "\n".join(texts)
