@@ -48,6 +48,12 @@ from tf_als import backward_search
 from tf_als import forward
 from tf_als import promote
 
+# The eager searches' helpers, shared rather than copied: float tensors of
+# a structure, their finiteness, a layer's path.
+_floats = backward_search._floats
+_all_finite = forward._all_finite
+_path = backward_search._path
+
 FLOAT16_MAX = 65504.0
 # A float16 layer output may stray from the float32 re-run of the same
 # layer on the same inputs by this share of the re-run's largest magnitude.
@@ -418,21 +424,6 @@ def _to_float32(structure):
         else t,
         structure,
     )
-
-
-def _floats(structure) -> list:
-    return [
-        t for t in keras.tree.flatten(structure)
-        if tf.is_tensor(t) and t.dtype.is_floating
-    ]
-
-
-def _all_finite(structure) -> bool:
-    return all(bool(tf.reduce_all(tf.math.is_finite(t))) for t in _floats(structure))
-
-
-def _path(layer) -> str:
-    return getattr(layer, "path", None) or layer.name
 
 
 def _unique(findings) -> list:
