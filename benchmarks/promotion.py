@@ -4,10 +4,10 @@ float32, Keras's `LossScaleOptimizer`, and tf_als with `promote_on_storm`
 
 Two scenarios:
 
-- forward: `tests/test_promote.py`'s model, first -> hot -> head, where
+- forward: `tests/failures/test_promote.py`'s model, first -> hot -> head, where
   `hot` is a Dense with a softmax whose logits carry a common offset of 1e5
   (softmax ignores it; float16 cannot hold it). Adam(1e-2).
-- backward: `tests/test_promote_backward.py`'s model, first -> temperature
+- backward: `tests/failures/test_promote_backward.py`'s model, first -> temperature
   -> norm -> head, where `temperature` divides by a learned t = 2**-8: the
   forward pass fits float16, but the gradient of t is formed through
   (-x / t) / t = x * 2**16, inf in float16 for |x| >= 1. SGD(0.1).

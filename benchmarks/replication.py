@@ -71,7 +71,7 @@ BN_MOMENTUM = 0.9  # as in the demo: short runs must evaluate sensibly
 def build_model(name, input_shape, classes):
     import keras
 
-    from tf_als import demo
+    from tf_als._src.demo import demo
 
     if name in ("cnn", "sigmoid-mlp"):
         return demo.build_model(name, input_shape, classes)
@@ -155,8 +155,8 @@ class UnderflowProbe:
         import keras
         import numpy as np
 
-        from tf_als import _keras
-        from tf_als import report
+        from tf_als._src.model import _keras
+        from tf_als._src.monitoring import report
 
         variables = self.plain.trainable_variables
         # The run's own batch, as it is: no seed state to rewind.
@@ -481,7 +481,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    from tf_als import datasets
+    from tf_als._src.demo import datasets
 
     data = datasets.load("digits")
     os.makedirs(args.output_dir, exist_ok=True)

@@ -2,9 +2,9 @@
 sort they replace, side by side in one process.
 
 For float16 gradients of growing size (log-normal magnitudes, a third
-zeros), times `tf_als.rule.tally` (amax and a count per binary exponent,
+zeros), times `rule.tally` (amax and a count per binary exponent,
 what a scaling point runs on an update step) followed by
-`tf_als.rule.statistics_of_tallies` (the percentile, fractions and
+`rule.statistics_of_tallies` (the percentile, fractions and
 histogram derived from it), and the same statistics with the
 percentile from a full sort (`tfp.stats.percentile` on the nonzero
 magnitudes, what tf_als ran before), each compiled with `tf.function`, XLA
@@ -23,7 +23,7 @@ import tensorflow as tf
 import tensorflow_probability as tfp
 
 sys.path.insert(0, ".")
-from tf_als import rule  # noqa: E402
+from tf_als._src.scaling import rule  # noqa: E402
 
 SIZES = (2**14, 2**17, 2**20, 2**22)
 

@@ -34,6 +34,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+import sklearn.datasets  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_als  # noqa: E402
@@ -42,11 +43,15 @@ CLASSES = 10
 
 
 def load_digits(seed: int = 0):
-    """Digits as flat float32 vectors in [0, 1]: `(x_train, y_train, x_test,
-    y_test)` (`tf_als.datasets` ships the loader; nothing is downloaded)."""
-    data = tf_als.datasets.load("digits", seed=seed)
-    flat = lambda x: x.reshape(len(x), -1)  # noqa: E731
-    return flat(data.x_train), data.y_train, flat(data.x_test), data.y_test
+    """Digits as flat float32 vectors in [0, 1]:
+    `(x_train, y_train, x_test, y_test)`, 80/20, shuffled by `seed`. scikit-learn ships the data: nothing is
+    downloaded."""
+    digits = sklearn.datasets.load_digits()
+    x = (digits.images / 16.0).astype("float32").reshape(len(digits.images), -1)
+    order = np.random.default_rng(seed).permutation(len(x))
+    x, y = x[order], digits.target[order].astype("int64")
+    split = int(round(len(x) * 0.8))
+    return x[:split], y[:split], x[split:], y[split:]
 
 
 def build_model(features: int = 64, depth: int = 4) -> keras.Model:

@@ -26,6 +26,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+import sklearn.datasets  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_als  # noqa: E402
@@ -60,10 +61,15 @@ def split_cpu(count: int = REPLICAS) -> list:
 
 
 def load_digits(seed: int = 0):
-    """Digits as float32 8x8x1 images in [0, 1]: `(x_train, y_train, x_test,
-    y_test)` (`tf_als.datasets` ships the loader; nothing is downloaded)."""
-    data = tf_als.datasets.load("digits", seed=seed)
-    return data.x_train, data.y_train, data.x_test, data.y_test
+    """Digits as float32 8x8x1 images in [0, 1]:
+    `(x_train, y_train, x_test, y_test)`, 80/20, shuffled by `seed`. scikit-learn ships the data: nothing is
+    downloaded."""
+    digits = sklearn.datasets.load_digits()
+    x = (digits.images / 16.0).astype("float32")[..., None]
+    order = np.random.default_rng(seed).permutation(len(x))
+    x, y = x[order], digits.target[order].astype("int64")
+    split = int(round(len(x) * 0.8))
+    return x[:split], y[:split], x[split:], y[split:]
 
 
 def build_model(input_shape=(8, 8, 1)) -> keras.Model:
@@ -82,8 +88,8 @@ def build_model(input_shape=(8, 8, 1)) -> keras.Model:
 
 
 def replica_values(row) -> list:
-    """The value each replica holds of a scaling point's state (a
-    `tf_als.state.Row`: its variables are synchronised on read)."""
+    """The value each replica holds of a scaling point's state (its
+    variables are synchronised on read)."""
     return [np.asarray(v).item() for v in row.replica_values()]
 
 

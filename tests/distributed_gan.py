@@ -1,6 +1,6 @@
 """The GAN step of tests/loops.py under `tf.distribute.MirroredStrategy` on
 two logical CPUs, run as a separate process by
-`tests/test_distribute.py::test_a_gan_on_two_replicas` (logical devices
+`tests/training/test_distribute.py::test_a_gan_on_two_replicas` (logical devices
 must be configured before TensorFlow initialises its devices).
 
     python -m tests.distributed_gan

@@ -1,5 +1,5 @@
 """One training scenario under `tf.distribute`, run as a separate process by
-`tests/test_distribute.py` (logical devices must be configured before
+`tests/training/test_distribute.py` (logical devices must be configured before
 TensorFlow initialises its devices, which the test process has long done).
 
     python -m tests.distributed_run {fit,loop} --replicas 2

@@ -24,7 +24,7 @@ it on fixed synthetic batches and scores it on held-out ones:
   classifier in float32.
 
 `run(case, method, seed)` returns a `Result`; `benchmarks/failures.py`
-prints the table, `tests/test_failures.py` checks it.
+prints the table, `tests/failures/test_failures.py` checks it.
 """
 
 import dataclasses

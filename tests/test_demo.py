@@ -9,8 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from tf_als import datasets
-from tf_als import demo
+from tf_als._src.demo import datasets
+from tf_als._src.demo import demo
 
 
 @pytest.mark.slow  # ~45 s; the default suite stays near 10 min

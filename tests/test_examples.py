@@ -62,7 +62,7 @@ def check_scales(scales: dict, module) -> None:
     assert sorted(scales) == sorted(weighted_layers(module))
     for name, scale in scales.items():
         # Below 1, a point gives back lift inherited from downstream
-        # (T_in stays >= 1; tests/test_skips.py checks that).
+        # (T_in stays >= 1; tests/training/test_skips.py checks that).
         assert 0.0 < scale <= 2.0**15, (name, scale)
         assert math.log2(scale) == int(math.log2(scale)), (name, scale)
 

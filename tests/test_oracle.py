@@ -35,7 +35,7 @@ passed within 1.25 x of Keras's on an earlier CI machine). The same-order
 run isolates what the scales change, and must itself meet the norm and
 cosine criteria wherever Keras does on the plain model, so a mistake in how
 the instrumented graph routes gradients cannot hide behind it
-(tests/test_properties.py found the smallest such graph).
+(tests/model/test_properties.py found the smallest such graph).
 
 Each case also runs with the loss multiplied by 2**-16 (a small auxiliary
 loss, or a mean over many elements), where Keras's fixed 2**15 leaves

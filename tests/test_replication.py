@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 import tf_als
-from tf_als import datasets
+from tf_als._src.demo import datasets
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "replication.py")
 
@@ -51,7 +51,7 @@ def test_fixed_scale_unscales_exactly_and_never_skips(replication):
 
 def test_probe_measures_without_touching_the_run(replication):
     """On the 16-layer sigmoid MLP at initialisation, Keras's scale 2**15
-    flushes most of the first layer's gradient (tests/test_underflow.py
+    flushes most of the first layer's gradient (tests/training/test_underflow.py
     measures it independently) and tf_als's scales flush none; measuring
     changes neither the weights nor the per-layer scales of the run."""
     data = datasets.load("digits")

@@ -11,37 +11,54 @@ import re
 import keras
 
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "tf_als")
-FENCE = "_keras"
+# The fence: the one module that may touch Keras's and TensorFlow's
+# private names (dotted, relative to the package).
+FENCE = "_src.model._keras"
 # Keras methods tf_als overrides in its subclasses (defining a hook, not
 # reading Keras's state): `LossScaleOptimizer` calls them on every step.
 OVERRIDES = {"_stateful_handle_finite_grads", "_stateful_handle_non_finite_grads"}
 
 
 def _modules():
-    """{module name: parsed source} of every module of the package."""
+    """{dotted module name relative to `tf_als` (`_src.scaling.rule`; a
+    package's `__init__` is the package's name, the top one ""):
+    (source, parsed source)} of every module of the package."""
     modules = {}
-    for filename in sorted(os.listdir(PACKAGE)):
-        if filename.endswith(".py"):
-            with open(os.path.join(PACKAGE, filename)) as f:
+    for directory, _, files in sorted(os.walk(PACKAGE)):
+        relative = os.path.relpath(directory, PACKAGE)
+        prefix = "" if relative == "." else relative.replace(os.sep, ".")
+        for filename in sorted(files):
+            if not filename.endswith(".py"):
+                continue
+            stem = filename[:-3]
+            name = prefix if stem == "__init__" else ".".join(filter(None, [prefix, stem]))
+            with open(os.path.join(directory, filename)) as f:
                 source = f.read()
-            modules[filename[:-3]] = (source, ast.parse(source, filename))
+            modules[name] = (source, ast.parse(source, filename))
     return modules
 
 
-def _imports(tree):
+def _imports(tree, known=None):
     """The package modules a module imports, anywhere in it (functions
-    included: a deferred import still ties the two modules together)."""
+    included: a deferred import still ties the two modules together), as
+    dotted names relative to `tf_als`. `from tf_als.a import b` counts as
+    `a.b` when that is a module (`known`), else as `a`."""
+    known = known if known is not None else _modules()
     found = set()
+
+    def add(dotted):
+        found.add(dotted if dotted in known else dotted.rsplit(".", 1)[0] if "." in dotted else dotted)
+
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module:
-            if node.module == "tf_als":
-                found.update(alias.name for alias in node.names)
-            elif node.module.startswith("tf_als."):
-                found.add(node.module.split(".")[1])
+            if node.module == "tf_als" or node.module.startswith("tf_als."):
+                base = node.module[len("tf_als."):] if node.module != "tf_als" else ""
+                for alias in node.names:
+                    add(".".join(filter(None, [base, alias.name])))
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.startswith("tf_als."):
-                    found.add(alias.name.split(".")[1])
+                    add(alias.name[len("tf_als."):])
     return found
 
 
@@ -79,7 +96,7 @@ def test_cycle_finder_finds_a_planted_cycle():
 def test_the_package_has_no_import_cycle():
     modules = _modules()
     graph = {
-        name: {m for m in _imports(tree) if m in modules and m != name}
+        name: {m for m in _imports(tree, modules) if m in modules and m != name}
         for name, (_, tree) in modules.items()
     }
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
@@ -91,7 +108,7 @@ def test_keras_src_is_imported_only_in_the_fence():
         for name, (source, _) in _modules().items()
         if name != FENCE and "keras.src" in source
     ]
-    assert offenders == [], f"keras.src outside tf_als/{FENCE}.py: {offenders}"
+    assert offenders == [], f"keras.src outside the fence ({FENCE}): {offenders}"
 
 
 def _keras_private_names():
@@ -140,7 +157,7 @@ def test_private_keras_names_are_used_only_in_the_fence():
     assert "_flatten_layers" in keras_names  # the scan reads Keras's source
     ours = _own_definitions(modules)
     offenders = [
-        f"tf_als/{name}.py:{line} {attr}"
+        f"{name}:{line} {attr}"
         for name, (_, tree) in modules.items()
         if name != FENCE
         for line, attr in _private_uses(tree)
@@ -184,7 +201,7 @@ def test_no_function_is_too_long_to_read_at_once():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 count = len(_code_lines(node, lines))
                 if count > LONGEST_FUNCTION:
-                    too_long.append(f"tf_als/{name}.py {node.name}: {count} lines")
+                    too_long.append(f"{name} {node.name}: {count} lines")
     assert too_long == [], "\n".join(too_long)
 
 
@@ -205,3 +222,39 @@ def test_keras_graph_nodes_are_read_only_in_the_fence():
                 if re.search(rf"node\w*(?:\.\w+)*\.{attribute}\b", line):
                     found.append(f"{name}.py:{number}: .{attribute}")
     assert not found, found
+
+
+# The modules a user may import: the package itself, the two namespaces it
+# exports and the demo's entry point. Everything else lives in `tf_als._src`.
+PUBLIC_MODULES = {"", "callbacks", "plots", "demo"}
+
+
+def test_everything_but_the_public_modules_is_under_src():
+    modules = set(_modules())
+    outside = {m for m in modules if not (m == "_src" or m.startswith("_src."))}
+    assert outside == PUBLIC_MODULES
+
+
+def _public_names(module):
+    return {
+        name for name in vars(module)
+        if not name.startswith("_") and not isinstance(getattr(module, name), type(os))
+        or name in ("callbacks", "plots")
+    }
+
+
+def test_the_public_surface_is_exactly_all():
+    import tf_als
+    import tf_als.callbacks
+    import tf_als.plots
+
+    # Submodules bound as attributes by the import system count only when
+    # `__all__` names them.
+    assert set(tf_als.__all__) == _public_names(tf_als) | {"callbacks", "plots"}
+    assert len(tf_als.__all__) == len(set(tf_als.__all__))
+    for module in (tf_als.callbacks, tf_als.plots):
+        assert set(module.__all__) == _public_names(module) - {"callbacks", "plots"}
+    # Nothing public is a private module of the package.
+    for name in tf_als.__all__:
+        value = getattr(tf_als, name)
+        assert "_src" not in getattr(value, "__name__", "") or not isinstance(value, type(os)), name

@@ -16,25 +16,20 @@ tf_als.scales(model)
 """
 
 from tf_als import callbacks
-from tf_als import datasets
 from tf_als import plots
-from tf_als import preflight
-from tf_als import promote
-from tf_als import silent
-from tf_als import storm
-from tf_als.instrument import InstrumentedModel
-from tf_als.instrument import PointInfo
-from tf_als.instrument import instrument
-from tf_als.instrument import points
-from tf_als.instrument import scales
-from tf_als.optimizer import AdaptiveLossScaleOptimizer
-from tf_als.promote import promoted
-from tf_als.report import Diagnosis
-from tf_als.report import diagnose
-from tf_als.silent import SilentFailureWarning
-from tf_als.storm import NonFiniteStormError
+from tf_als._src.failures.promote import promoted
+from tf_als._src.failures.silent import SilentFailureWarning
+from tf_als._src.failures.storm import NonFiniteStormError
+from tf_als._src.model.instrument import InstrumentedModel
+from tf_als._src.model.instrument import PointInfo
+from tf_als._src.model.instrument import instrument
+from tf_als._src.model.instrument import points
+from tf_als._src.model.instrument import scales
+from tf_als._src.monitoring.report import Diagnosis
+from tf_als._src.monitoring.report import diagnose
+from tf_als._src.training.optimizer import AdaptiveLossScaleOptimizer
 
-# 0.2.0: the scaling points' state is stacked (`tf_als.state.ScalingState`), so
+# 0.2.0: the scaling points' state is stacked (`ScalingState`), so
 # models saved and checkpoints written by 0.1 do not restore their scales.
 # 0.3.0: the scales follow the gradient on every step; `update_interval`
 # sets the paper rule's interval, `telemetry_interval` the records' (0.2
@@ -53,15 +48,10 @@ __all__ = [
     "PointInfo",
     "SilentFailureWarning",
     "callbacks",
-    "datasets",
     "diagnose",
     "instrument",
     "plots",
     "points",
-    "preflight",
-    "promote",
     "promoted",
     "scales",
-    "silent",
-    "storm",
 ]

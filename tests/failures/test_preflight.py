@@ -1,0 +1,194 @@
+"""The first-batch check (`preflight`): each way a layer fails in
+float16 is found, on small models built to fail that one way, healthy
+layers are left alone, and the global scale chosen is the largest power of
+two at which the batch's gradients are finite (checked against every power
+of two in turn)."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_als
+from tf_als._src.failures import backward_search
+from tf_als._src.failures import preflight
+from tf_als._src.failures import promote
+from tests import failure_cases
+
+layers = keras.layers
+pytestmark = pytest.mark.usefixtures("mixed")
+
+
+def _mse(x, y, y_pred, sample_weight):
+    return tf.reduce_mean(tf.square(tf.cast(y_pred, tf.float32) - y))
+
+
+def _norms_model():
+    """Two hand-written instance norms over 256x256 maps: one fed a positive
+    map (its float16 sum and count are both inf: its mean is NaN), one a
+    centred map (its sum is finite, its mean and variance read 0), and a
+    healthy Dense between them."""
+    inputs = keras.Input((256, 256, 1))
+    x = failure_cases.HandInstanceNorm(name="positive")(inputs)
+    x = layers.Dense(1, name="healthy")(x)
+    x = failure_cases.HandInstanceNorm(name="centred")(x)
+    return keras.Model(inputs, x)
+
+
+def _positive_maps():
+    """Two maps of mean 2: their sums, 131,072, overflow float16."""
+    rng = np.random.default_rng(0)
+    return (rng.normal(size=(2, 256, 256, 1)) + 2.0).astype("float32")
+
+
+def test_forward_finds_each_norm_and_spares_the_dense():
+    """The positive norm's NaN reaches everything after it, so the centred
+    one is judged once the positive one computes in float32 (`check` loops
+    until nothing fails)."""
+    model = _norms_model()
+    x = _positive_maps()
+    findings = preflight.forward_failures(model, (x, None, None))
+    assert findings == [preflight.Finding("positive", promote.FORWARD)]
+    model.get_layer("positive").dtype_policy = keras.DTypePolicy("float32")
+    (finding,) = preflight.forward_failures(model, (x, None, None))
+    assert finding.layer == "centred" and finding.reason.startswith(promote.STRAYS)
+
+
+def test_check_promotes_both_norms_and_nothing_else():
+    model = tf_als.instrument(_norms_model())
+    x = _positive_maps()
+    outcome = preflight.check(model, (x, None, None), None, 2.0**15, step=0)
+    assert {p.layer for p in outcome.promotions} == {"positive", "centred"}
+    assert outcome.stopped is None
+    assert model.model.get_layer("healthy").compute_dtype == "float16"
+    # Promoted, they match float32 within float16's rounding of the Dense
+    # between them (the norms divide by a standard deviation of ~1).
+    keras.mixed_precision.set_global_policy("float32")
+    reference = _norms_model()
+    reference.set_weights(model.model.get_weights())
+    np.testing.assert_allclose(
+        np.asarray(model.model(x), "float32"), reference(x), rtol=0, atol=2e-2
+    )
+    assert preflight.forward_failures(model.model, (x, None, None)) == []
+
+
+def test_targets_float16_cannot_hold_fail_their_output_layer():
+    inputs = keras.Input((4,))
+    outputs = layers.Dense(1, name="price")(layers.Dense(8, name="hidden")(inputs))
+    model = keras.Model(inputs, outputs)
+    x = np.ones((4, 4), "float32")
+    big = np.full((4, 1), 2.0e5, "float32")
+    (finding,) = preflight.forward_failures(model, (x, big, None))
+    assert finding.layer == "price" and finding.reason.startswith(promote.TARGETS)
+    # Half of float16's range is the line: 30,000 fits, 40,000 does not.
+    assert preflight.forward_failures(model, (x, np.full((4, 1), 3e4, "float32"), None)) == []
+    assert preflight.forward_failures(model, (x, np.full((4, 1), 4e4, "float32"), None))
+
+
+def test_a_loss_summed_over_float16_outputs_fails_the_output_layer():
+    """The soft-Dice of `failure_cases`: float16 outputs of four 256x256 maps
+    sum past 65504; cast to float32 first they do not."""
+    keras.utils.set_random_seed(0)
+    model = failure_cases._segmenter(fix_norms=True, float32_head=False)
+    batches, _ = failure_cases.SOFT_DICE.data(0)
+    x, y = batches[0]
+
+    def loss_fn(x, y, y_pred, sample_weight):
+        return tf.cast(failure_cases.soft_dice(y, y_pred), tf.float32)
+
+    (finding,) = preflight.forward_failures(model, (x, y, None), loss_fn=loss_fn)
+    assert finding.layer == "mask" and finding.reason.startswith(promote.LOSS)
+    # Keras's own losses cast to float32: the same outputs pass.
+    bce = lambda x, y, p, w: keras.losses.BinaryCrossentropy()(y, p)  # noqa: E731
+    assert preflight.forward_failures(model, (x, y, None), loss_fn=bce) == []
+
+
+def _largest_finite_scale(model, batch):
+    """Every power of two from 2**15 down, one at a time."""
+    for exponent in range(15, -25, -1):
+        if backward_search.first_non_finite_gradient(model, _mse, batch, 2.0**exponent) is None:
+            return 2.0**exponent
+    return None
+
+
+@pytest.mark.parametrize("target", [1.0, 3e2, 3e3, 2e4])
+def test_the_scale_chosen_is_the_largest_finite_power_of_two(target):
+    """A regression whose loss gradient grows with its target: the bisection
+    agrees with trying every power of two."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    h = layers.Dense(16, activation="relu", name="hidden")(inputs)
+    model = tf_als.instrument(
+        keras.Model(inputs, layers.Dense(1, dtype="float32", name="out")(h))
+    )
+    rng = np.random.default_rng(0)
+    batch = (
+        rng.normal(size=(32, 8)).astype("float32"),
+        np.full((32, 1), target, "float32"),
+        None,
+    )
+    outcome = preflight.check(model, batch, _mse, 2.0**15, step=0)
+    assert outcome.promotions == ()
+    assert outcome.scale == _largest_finite_scale(model.model, batch)
+
+
+def test_fit_checks_the_first_batch_and_skips_nothing_for_it():
+    """`dollars`' model, 2 epochs: promoted at step 0 and no step skipped at
+    the scale chosen on the first batch for the first batches."""
+    case = failure_cases.DOLLARS
+    batches, _ = case.data(0)
+    keras.utils.set_random_seed(0)
+    model = tf_als.instrument(case.build(False))
+    optimizer = tf_als.AdaptiveLossScaleOptimizer(keras.optimizers.Adam(1e-3))
+    model.compile(optimizer, case.loss)
+    x, y = batches[0]
+    with pytest.warns(UserWarning, match="promoted layer 'price' to float32 at step 0"):
+        model.fit(x, y, batch_size=32, epochs=4, verbose=0)
+    assert int(optimizer.iterations.numpy()) == 4
+    expected = preflight.check(
+        tf_als.instrument(_copy(model.model)), (x, y, None), _mean_squared, 2.0**15, 0
+    ).scale
+    assert float(optimizer.dynamic_scale.numpy()) == expected
+
+
+def _copy(model):
+    clone = keras.models.clone_model(model)
+    clone.set_weights(model.get_weights())
+    return clone
+
+
+def _mean_squared(x, y, y_pred, sample_weight):
+    return keras.losses.MeanSquaredError()(y, y_pred)
+
+
+def test_float32_outputs_casts_exactly_and_round_trips():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    plain = keras.Model(inputs, layers.Dense(3, name="out")(inputs))
+    model = tf_als.instrument(plain, float32_outputs=True)
+    x = np.random.default_rng(0).normal(size=(2, 4)).astype("float32")
+    out = model(x, training=True)
+    assert out.dtype == tf.float32
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(plain(x), "float32"))
+    assert model.get_config()["float32_outputs"] is True
+    restored = tf_als.InstrumentedModel.from_config(model.get_config())
+    assert restored.float32_outputs is True
+    with pytest.raises(ValueError, match="`float32_outputs` must be True or False; received 1"):
+        tf_als.instrument(plain, float32_outputs=1)
+
+
+def test_float16_outputs_warn_in_a_custom_loop_not_in_fit():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    plain = keras.Model(inputs, layers.Dense(3, name="out")(inputs))
+    model = tf_als.instrument(plain)
+    model.compile(tf_als.AdaptiveLossScaleOptimizer(keras.optimizers.SGD()), "mse")
+    x, y = np.ones((4, 4), "float32"), np.zeros((4, 3), "float32")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, epochs=1, verbose=0)
+    assert not [w for w in caught if "float16 outputs" in str(w.message)]
+    with pytest.warns(UserWarning, match="hands its training code float16 outputs \\('out'\\)"):
+        model(x, training=True)

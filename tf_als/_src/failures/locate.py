@@ -1,0 +1,84 @@
+"""Where a backward pass turned non-finite: the one walk that both the storm
+error (`storm`) and `tf_als.diagnose` use.
+
+Gradients run from the loss to the inputs, so the scaling point to blame is
+the first one, walking the plan's points from the loss, whose incoming
+gradient is finite (or not known) but whose own backward pass is not: its
+weight gradients are not finite, or the gradient it hands to the points that
+feed it is not.
+"""
+
+import dataclasses
+from typing import Callable, Mapping, Optional
+
+from tf_als._src.model import graph
+
+
+@dataclasses.dataclass(frozen=True)
+class Culprit:
+    """The scaling point where the gradients turned non-finite.
+
+    Attributes:
+        call: its call index in the plan.
+        point: its scaling-point name (as `tf_als.scales` names it).
+        layer: the name of the layer it calls.
+        what: `"weight gradients"` or `"input gradient"`, the part of its
+            backward pass that is not finite.
+        receivers: names of the scaling points whose input gradient it
+            receives (empty: it receives the loss's gradient directly).
+    """
+
+    call: int
+    point: str
+    layer: str
+    what: str
+    receivers: tuple
+
+
+def first_non_finite(
+    plan: graph.Plan,
+    weights_finite: Callable[[int], bool],
+    incoming_finite: Optional[Mapping[int, bool]] = None,
+) -> Optional[Culprit]:
+    """The first scaling point, walking from the loss, whose backward pass
+    turned the gradient non-finite; None when there is none.
+
+    Args:
+        plan: the instrumented model's `graph.Plan`.
+        weights_finite: call index -> whether that point's weight gradients
+            are all finite.
+        incoming_finite: call index -> whether the gradient reaching that
+            point is finite; None when not known (a point then counts as
+            reached by a finite gradient, and only weight gradients decide).
+    """
+    names = dict(zip(plan.point_calls, plan.point_names))
+    for index in reversed(plan.point_calls):
+        if incoming_finite is not None and not incoming_finite[index]:
+            continue
+        call = plan.calls[index]
+        what = None
+        if not weights_finite(index):
+            what = "weight gradients"
+        elif incoming_finite is not None and any(
+            not incoming_finite[feeder] for feeder in graph.upstream_points(plan, call)
+        ):
+            what = "input gradient"
+        if what is not None:
+            return Culprit(
+                call=index,
+                point=names[index],
+                layer=call.operation.name,
+                what=what,
+                receivers=tuple(names[r] for r in receivers(plan, index)),
+            )
+    return None
+
+
+def receivers(plan: graph.Plan, index: int) -> list:
+    """Call indices of the scaling points whose input gradient reaches
+    point call `index` (through weightless calls only)."""
+    return [
+        other
+        for other in plan.point_calls
+        if index in graph.upstream_points(plan, plan.calls[other])
+    ]

@@ -1,0 +1,435 @@
+"""Before a step is lost: the layers whose float16 arithmetic fails on a
+real batch, and the global loss scale a step can apply with.
+
+`fit` on an instrumented model runs `check` on its first batch before the
+first step; `AdaptiveLossScaleOptimizer.check_skips` runs it in a custom
+loop that hands it batches and the loss, and after every promotion made on
+a storm of skipped steps. All of it is eager, on the plain layers, and
+leaves the model's state (BatchNormalization statistics, seeds) as it
+found it:
+
+1. **Forward.** The batch runs once in the model's precision; then every
+   leaf layer with weights that computes in float16 runs again in float32
+   on the very inputs it received (a Keras layer whose float16 output is
+   finite is not: Keras accumulates and takes statistics in float32). It fails when its float16 output is not
+   finite while float32's is, or strays from float32's by more than
+   `RELATIVE_ERROR` of float32's largest magnitude (a hand-written
+   normalisation whose float16 count overflowed reads a mean and variance
+   of 0: finite, and wrong). A model output computed in float16 fails when
+   its targets reach float16's maximum over `TARGET_FACTOR`: it has to reach
+   them.
+2. **Backward.** The loss's gradients at a global scale of 1. When they
+   are not finite, the layer whose float16 backward pass turns a finite
+   gradient into a non-finite one even at `MIN_SCALE` fails
+   (`backward_search`), and so does a float16 model output whose
+   gradient from the loss fits float16 only at a scale below 1.
+   Then, before the first step and after a promotion, the global scale S
+   is chosen: the largest power of two at most the initial scale at which
+   the gradients are finite (bisection, down to `MIN_SCALE`).
+3. Failing layers are promoted (`promote`), every one found at
+   once, and the check runs again, until nothing fails or the cap on
+   failures is reached; then S is set.
+
+A healthy model costs one eager forward pass, one float32 re-run of each
+leaf layer not from Keras and one backward pass (at the initial scale) on
+one batch, once; more only when the initial scale overflows (the check at
+1, and a bisection of about six backward passes).
+"""
+
+import dataclasses
+import math
+from typing import Callable, Iterable, Optional
+
+import keras
+import tensorflow as tf
+
+from tf_als._src.model import _keras
+from tf_als._src.failures import backward_search
+from tf_als._src.failures import forward
+from tf_als._src.failures import promote
+
+# The eager searches' helpers, shared rather than copied: float tensors of
+# a structure, their finiteness, a layer's path.
+_floats = backward_search._floats
+_all_finite = forward._all_finite
+_path = backward_search._path
+
+FLOAT16_MAX = 65504.0
+# A float16 layer output may stray from the float32 re-run of the same
+# layer on the same inputs by this share of the re-run's largest magnitude.
+# Float16 rounds to 2**-11; a layer's own accumulation adds a few ulps of
+# its output's range; a count that overflowed (a mean read as 0) is off by
+# the whole range.
+RELATIVE_ERROR = 2.0**-4
+# A float16 model output fails when its targets reach FLOAT16_MAX / this:
+# half of float16's range leaves too little for the layer's own sums on the
+# way (a Dense adds its bias to a product that may pass the result).
+TARGET_FACTOR = 2.0
+# The smallest global scale tried (and the optimizer's floor).
+MIN_SCALE = 2.0**-24
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """A layer call that fails in float16 on the batch.
+
+    Attributes:
+        layer: the layer's path.
+        reason: why, in words (`promote.Promotion.reason`).
+    """
+
+    layer: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What `check` did.
+
+    Attributes:
+        promotions: the `promote.Promotion`s made, in order.
+        scale: the global scale chosen (None: the batch's gradients are not
+            finite at any scale, or the loss itself is not).
+        stopped: why a failure was left unpromoted (the cap, or a failure
+            no promotion can help), or None.
+    """
+
+    promotions: tuple
+    scale: Optional[float]
+    stopped: Optional[str]
+
+
+def run(
+    model: keras.Model,
+    batches: Iterable,
+    loss_fn: Optional[Callable],
+    scale: float,
+    step: int,
+    choose: bool = False,
+) -> Outcome:
+    """`check` on each of `batches` in turn, until one has a failure to
+    promote; the outcome's scale is chosen on that batch, or with `choose`
+    on the first batch when none had one (None without `loss_fn`). The
+    batches that pass cost a forward pass, the float32 re-runs and one or
+    two backward passes each."""
+    first = None
+    for batch in batches:
+        first = batch if first is None else first
+        outcome = check(model, batch, loss_fn, scale, step, choose=False)
+        if outcome.promotions or outcome.stopped is not None:
+            if outcome.promotions and loss_fn is not None:
+                chosen = largest_finite_scale(model.model, batch, loss_fn, scale)
+                outcome = dataclasses.replace(outcome, scale=chosen)
+            return outcome
+    if not choose or first is None or loss_fn is None:
+        return Outcome((), None, None)
+    return Outcome((), largest_finite_scale(model.model, first, loss_fn, scale), None)
+
+
+def check(
+    model: keras.Model,
+    batch: tuple,
+    loss_fn: Optional[Callable],
+    scale: float,
+    step: int,
+    training: bool = True,
+    choose: bool = True,
+) -> Outcome:
+    """Finds and promotes the layers of `model` whose float16 arithmetic
+    fails on `batch`, then finds the largest power of two at most `scale`
+    at which the batch's gradients are finite.
+
+    Args:
+        model: the instrumented model (its plain layers are run).
+        batch: `(x, y, sample_weight)`.
+        loss_fn: `loss_fn(x, y, y_pred, sample_weight)`, the scalar loss;
+            None checks the forward pass only.
+        scale: the global scale to start from (the optimizer's initial
+            scale).
+        step: the optimizer step, for the promotions' record.
+        training: the `training` argument of the forward pass.
+        choose: whether to choose the scale (False: the outcome's scale is
+            None).
+
+    Returns:
+        An `Outcome`.
+
+    Example:
+
+    ```python
+    outcome = tf_als.preflight.check(model, (x, y, None), loss_fn,
+                                     scale=2.0**15, step=0)
+    outcome.promotions  # (Promotion(layer='price', ...),)
+    outcome.scale       # 0.0001220703125
+    ```
+    """
+    made, previous = [], {}
+    top = math.floor(math.log2(scale))
+    while True:
+        findings = forward_failures(model.model, batch, training, loss_fn)
+        at_top = None
+        if not findings and loss_fn is not None:
+            # Finite at the initial scale: finite below it too (a smaller
+            # scale can only underflow), so nothing fails backward.
+            at_top = _probe(model.model, batch, loss_fn, top, training)
+            if at_top is not None:
+                findings = backward_failures(model.model, batch, loss_fn, training)
+        again = [f for f in findings if f.layer in previous]
+        if again:
+            return _taken_back(model, made, previous, again[0])
+        if findings:
+            new, stopped = promote.promote_all(model, findings, step, previous)
+            made.extend(new)
+            if stopped is not None or not new:
+                return Outcome(tuple(made), None, stopped)
+            continue
+        chosen = None
+        if choose and loss_fn is not None:
+            chosen = 2.0**top if at_top is None else largest_finite_scale(
+                model.model, batch, loss_fn, scale, training
+            )
+        return Outcome(tuple(made), chosen, None)
+
+
+def _taken_back(model, made, previous, finding) -> Outcome:
+    """The layer of `finding` was promoted by this check and fails the same
+    way in float32: its promotion is undone."""
+    promote.undo(model, finding.layer, previous[finding.layer])
+    kept = tuple(p for p in made if p.layer != finding.layer)
+    return Outcome(
+        kept,
+        None,
+        f"layer {finding.layer!r} is not finite in float32 either "
+        f"({finding.reason}), so promoting it cannot help",
+    )
+
+
+def forward_failures(
+    model: keras.Model,
+    batch: tuple,
+    training: bool = True,
+    loss_fn: Optional[Callable] = None,
+) -> list:
+    """The `Finding`s of `model`'s float16 forward pass on `batch` (see the
+    module's docstring), and with `loss_fn`, of its loss; [] when none
+    fails."""
+    x, y, sample_weight = batch
+    calls = []
+
+    def observe(layer, arguments, outputs):
+        calls.append((layer, arguments, outputs))
+
+    with forward.preserved(model.non_trainable_variables):
+        with _keras.layer_calls(observe):
+            y_pred = model(x, training=training)
+        findings = []
+        for layer, arguments, outputs in calls:
+            if _checked(layer):
+                reason = _stray(layer, arguments, outputs)
+                if reason is not None:
+                    findings.append(Finding(_path(layer), reason))
+    findings += _unreachable_targets(calls, y_pred, y)
+    if loss_fn is not None and not findings:
+        findings += _loss_overflows(calls, y_pred, batch, loss_fn)
+    return _unique(findings)
+
+
+def _loss_overflows(calls, y_pred, batch, loss_fn) -> list:
+    """When the loss on the float16 model outputs differs from the loss on
+    the same outputs cast to float32 (exactly), by more than
+    `RELATIVE_ERROR` or in finiteness, the `Finding`s of the layers that
+    produce the float16 outputs: the user's loss sums them in float16 (a
+    soft-Dice over a batch of maps reads 1.0, and every gradient 0)."""
+    x, y, sample_weight = batch
+    outputs = [o for o in _floats(y_pred) if o.dtype == tf.float16]
+    if not outputs:
+        return []
+    got = float(loss_fn(x, y, y_pred, sample_weight))
+    want = float(loss_fn(x, y, _to_float32(y_pred), sample_weight))
+    if not math.isfinite(want):
+        return []
+    if math.isfinite(got) and abs(got - want) <= RELATIVE_ERROR * max(abs(want), 1e-30):
+        return []
+    findings = []
+    for output in outputs:
+        producer = _producer(calls, output)
+        if producer is not None:
+            findings.append(
+                Finding(
+                    _path(producer),
+                    f"{promote.LOSS} ({got:.4g} against {want:.4g}: the loss "
+                    "sums or squares float16 outputs past 65504)",
+                )
+            )
+    return findings
+
+
+def _checked(layer) -> bool:
+    """A leaf layer with weights that computes in float16."""
+    return (
+        bool(layer.weights)
+        and not _keras.sublayers(layer, recursive=False)
+        and layer.compute_dtype == "float16"
+    )
+
+
+def _stray(layer, arguments, outputs) -> Optional[str]:
+    """Why `layer`'s float16 `outputs` fail against its float32 re-run on
+    the same `arguments`; None when they do not (or its inputs are not
+    finite: a layer upstream failed first)."""
+    args, kwargs = arguments
+    if not _all_finite((args, kwargs)):
+        return None
+    if _all_finite(outputs) and _from_keras(layer):
+        # Keras's own layers accumulate in float32 (matmuls, convolutions)
+        # and compute normalisation statistics in float32: a finite float16
+        # output of theirs is float32's, rounded. Layers written elsewhere
+        # (hand-written statistics) are run again.
+        return None
+    with _keras.dtype_policy([layer], "float32"):
+        expected = layer(*_to_float32(args), **_to_float32(kwargs))
+    got, want = _floats(outputs), _floats(expected)
+    if len(got) != len(want) or not _all_finite(want):
+        return None
+    if not _all_finite(got):
+        return promote.FORWARD
+    error, largest = 0.0, 0.0
+    for a, b in zip(got, want):
+        b = tf.cast(b, tf.float32)
+        error = max(error, float(tf.reduce_max(tf.abs(tf.cast(a, tf.float32) - b))))
+        largest = max(largest, float(tf.reduce_max(tf.abs(b))))
+    if largest > 0 and error > RELATIVE_ERROR * largest:
+        return (
+            f"{promote.STRAYS} (by {error / largest:.0%} of its largest "
+            "value: a float16 sum or count that overflowed, or a statistic "
+            "that reads 0)"
+        )
+    return None
+
+
+def _producer(calls, output):
+    """The innermost layer of `calls` (in completion order) whose outputs
+    include the tensor `output`, or None."""
+    return next(
+        (layer for layer, _, out in calls
+         if any(o is output for o in keras.tree.flatten(out))),
+        None,
+    )
+
+
+def _from_keras(layer) -> bool:
+    return type(layer).__module__.split(".")[0] in ("keras", "keras_hub")
+
+
+def _unreachable_targets(calls, y_pred, y) -> list:
+    """Float16 model outputs whose targets reach float16's maximum over
+    `TARGET_FACTOR`, as `Finding`s of the layers that produce them."""
+    outputs = keras.tree.flatten(y_pred)
+    targets = keras.tree.flatten(y) if y is not None else []
+    if len(outputs) != len(targets):
+        return []
+    findings = []
+    for output, target in zip(outputs, targets):
+        if not (tf.is_tensor(output) and output.dtype == tf.float16):
+            continue
+        largest = float(tf.reduce_max(tf.abs(tf.cast(target, tf.float32))))
+        if largest < FLOAT16_MAX / TARGET_FACTOR:
+            continue
+        producer = _producer(calls, output)
+        if producer is not None:
+            findings.append(
+                Finding(
+                    _path(producer),
+                    f"{promote.TARGETS} (targets up to {largest:.4g}; float16 "
+                    f"holds at most {FLOAT16_MAX:g})",
+                )
+            )
+    return findings
+
+
+def backward_failures(
+    model: keras.Model, batch: tuple, loss_fn: Callable, training: bool = True
+) -> list:
+    """The `Finding`s of the backward pass of `model` on `batch`: [] when
+    its gradients are finite at a global scale of 1; else the layer whose
+    backward pass is not finite even at `MIN_SCALE`, or the float16 model
+    output whose gradient from the loss fits float16 only below 1 (a
+    float16 softmax under a cross-entropy on probabilities)."""
+    at_one = _probe(model, batch, loss_fn, 0, training)
+    if at_one is None:
+        return []
+    floor = round(math.log2(MIN_SCALE))
+    at_floor = _probe(model, batch, loss_fn, floor, training)
+    if at_floor is not None:
+        if at_floor.layer is None:
+            return []  # The loss itself: no promotion helps.
+        reason = f"{promote.BACKWARD} ({at_floor.what}) at every loss scale"
+        return [Finding(at_floor.layer, reason)]
+    low, high, above = floor, 0, at_one
+    while high - low > 1:
+        middle = (high + low) // 2
+        finding = _probe(model, batch, loss_fn, middle, training)
+        if finding is None:
+            low = middle
+        else:
+            high, above = middle, finding
+    if above.what != backward_search.OUTPUT or above.layer is None:
+        return []
+    # Below 1 the scale shrinks every gradient of the model to serve this
+    # output: it is the layer that fails.
+    reason = (
+        f"{promote.BACKWARD} ({above.what}): its float16 output cannot "
+        "carry the loss's gradient at any loss scale of 1 or more"
+    )
+    return [Finding(above.layer, reason)]
+
+
+def largest_finite_scale(
+    model: keras.Model,
+    batch: tuple,
+    loss_fn: Callable,
+    scale: float,
+    training: bool = True,
+) -> Optional[float]:
+    """The largest power of two, at most `scale` and at least `MIN_SCALE`,
+    at which the gradients of `model` on `batch` are finite (bisection);
+    None when there is none."""
+    high = math.floor(math.log2(scale))
+    if _probe(model, batch, loss_fn, high, training) is None:
+        return 2.0**high
+    low = round(math.log2(MIN_SCALE))
+    if _probe(model, batch, loss_fn, low, training) is not None:
+        return None
+    while high - low > 1:
+        middle = (high + low) // 2
+        if _probe(model, batch, loss_fn, middle, training) is None:
+            low = middle
+        else:
+            high = middle
+    return 2.0**low
+
+
+def _probe(model, batch, loss_fn, exponent, training):
+    """Where `batch`'s gradients turn non-finite at the scale 2**exponent
+    (`backward_search`), or None."""
+    return backward_search.first_non_finite_gradient(
+        model, loss_fn, batch, 2.0**exponent, training
+    )
+
+
+def _to_float32(structure):
+    return keras.tree.map_structure(
+        lambda t: tf.cast(t, tf.float32)
+        if tf.is_tensor(t) and t.dtype in (tf.float16, tf.bfloat16)
+        else t,
+        structure,
+    )
+
+
+def _unique(findings) -> list:
+    seen, result = set(), []
+    for finding in findings:
+        if finding.layer not in seen:
+            seen.add(finding.layer)
+            result.append(finding)
+    return result

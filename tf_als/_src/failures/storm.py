@@ -1,0 +1,253 @@
+"""Stopping a run whose steps are all being skipped (a non-finite storm).
+
+Dynamic loss scaling skips a step and halves the global scale whenever a
+gradient is not finite. When the cause is not the scale (NaN in the data, a
+layer whose weights blew up), every step is skipped and the scale slides
+towards zero without end. `AdaptiveLossScaleOptimizer(max_consecutive_skips=N)`
+counts consecutive skips; this module turns the count and what the optimizer
+recorded at the first skip of the streak into an error that names the layer
+and says what to try, and holds the callback that raises it in `fit`.
+"""
+
+import itertools
+from typing import Optional
+
+import keras
+
+from tf_als._src.model import _keras
+from tf_als._src.failures import forward
+from tf_als._src.failures import locate
+
+
+class NonFiniteStormError(FloatingPointError):
+    """Raised when `max_consecutive_skips` consecutive steps were skipped
+    because their gradients were not finite. The message names the layer
+    whose weight gradient was the first non-finite one (walking back from
+    the loss) at the first skipped step, and what to try."""
+
+
+def describe(optimizer, skips: int, attempted: Optional[int] = None) -> str:
+    """The error message for `optimizer` after `skips` consecutive skips,
+    `attempted` batches into training (None: not known)."""
+    variables = _keras.optimizer_variables(optimizer)
+    index, bad, loss_finite = (
+        int(v) for v in keras.ops.convert_to_numpy(optimizer.first_non_finite)
+    )
+    scale = float(keras.ops.convert_to_numpy(optimizer.dynamic_scale))
+    applied = int(keras.ops.convert_to_numpy(optimizer.iterations))
+    if attempted is None:
+        where = f"after {applied} applied steps"
+    else:
+        where = f"at batch {attempted} ({applied} steps applied)"
+    lines = [
+        f"{skips} consecutive training steps were skipped because their "
+        f"gradients were not finite (AdaptiveLossScaleOptimizer "
+        f"max_consecutive_skips={optimizer.max_consecutive_skips}); the global "
+        f"loss scale, halved at each, is down to {scale:g}, and training "
+        f"stopped {where} instead of skipping forever."
+    ]
+    return " ".join(lines + _cause(optimizer, variables, index, bad, loss_finite))
+
+
+def _cause(optimizer, variables, index, bad, loss_finite) -> list:
+    """The sentences saying where the first skipped step turned non-finite
+    and what to try, from the optimizer's record of that step."""
+    if loss_finite == 0:
+        return [
+            "At the first skipped step the loss itself was not finite, so "
+            "no loss scale can help: the forward pass overflowed float16, or "
+            "the data holds NaN or inf. Run tf_als.diagnose(model, x, y) on "
+            "a failing batch: it names the first layer whose float16 output "
+            "is not finite (give that layer dtype='float32') or says that "
+            "float32 fails too (check the data)."
+        ]
+    if not 0 <= index < len(variables):
+        return [
+            "Which layer's gradient was first non-finite was not recorded. "
+            "Run tf_als.diagnose(model, x, y) on a batch of the failing data "
+            "to find it."
+        ]
+    variable = variables[index]
+    layer, after = _locate(optimizer, variable)
+    return [
+        f"At the first skipped step, walking back from the loss, the first "
+        f"non-finite weight gradient was in layer {layer!r} (variable "
+        f"{variable.path!r}); {bad} of {len(variables)} weight gradients were "
+        "non-finite.",
+        _advice(layer, after),
+        "If the loss scale legitimately has to fall further, raise "
+        "max_consecutive_skips (None disables this stop).",
+    ]
+
+
+def _advice(layer, after) -> str:
+    """What to check when `layer`'s weight gradient was the first
+    non-finite one, its incoming gradient coming from `after` (None: from
+    the loss)."""
+    if after is None:
+        return (
+            f"The gradient reaching {layer!r} comes straight from the loss: "
+            "check the inputs and labels for NaN or inf (e.g. "
+            "np.isfinite(x).all()), whether the loss overflows float32, and "
+            f"the weights and outputs of {layer!r} for very large values."
+        )
+    return (
+        f"The values became non-finite in the backward pass of {layer!r} "
+        f"or in the gradient it received from {after}: check those "
+        "layers' weights and activations for very large values (and the "
+        "inputs for NaN or inf if every layer is affected), try a lower "
+        "learning rate or gradient clipping (clipnorm= on the inner "
+        "optimizer), and run tf_als.diagnose(model, x, y) on a failing "
+        "batch."
+    )
+
+
+def _locate(optimizer, variable):
+    """(the layer owning `variable`, the scaling points the gradient
+    reaching it comes from, or None), named as `tf_als.scales` names points
+    when the model is instrumented."""
+    models = optimizer.applied_models()
+    # Only an instrumented model has a plan (read by attribute: importing
+    # `tf_als.instrument` here would close a cycle). The variable belongs
+    # to the model whose trainable variables hold it.
+    owner = [m for m in models if any(w is variable for w in m.trainable_variables)]
+    plan = getattr(owner[0], "plan", None) if owner else None
+    culprit = None
+    if plan is not None:
+        # The record names one variable: the point to blame is the call
+        # owning it closest to the loss (a shared layer has several).
+        culprit = locate.first_non_finite(
+            plan,
+            lambda index: not any(
+                w is variable for w in plan.calls[index].operation.trainable_weights
+            ),
+        )
+    if culprit is None:
+        return _layer_of(variable), _plain_after(optimizer, variable)
+    after = ", ".join(repr(n) for n in culprit.receivers) or None
+    return culprit.point, after
+
+
+def _layer_of(variable):
+    """The layer part of a variable's path ("dense_1/kernel" -> "dense_1")."""
+    return variable.path.rsplit("/", 1)[0]
+
+
+def _plain_after(optimizer, variable):
+    """Without a plan: the layer of the next variable in training order, a
+    stand-in for the layer after it (None for the last one)."""
+    variables = _keras.optimizer_variables(optimizer)
+    layer = _layer_of(variable)
+    position = next(i for i, v in enumerate(variables) if v is variable)
+    for later in variables[position + 1 :]:
+        if _layer_of(later) != layer:
+            return repr(_layer_of(later))
+    return None
+
+
+def _latest_first(batches, index, count=8):
+    """`batches` (a callable, or None) as a callable giving the `count`
+    batches up to `index` of the epoch, the latest first: the ones that
+    may have just failed (with `steps_per_execution`, any of the last
+    run), then the epoch's first ones."""
+    if batches is None:
+        return None
+
+    def latest():
+        recent = list(itertools.islice(batches(), max(0, index + 1 - count), index + 1))
+        return itertools.chain(reversed(recent), batches())
+
+    return latest
+
+
+class NonFiniteGuard(keras.callbacks.Callback):
+    """Stops `fit` with a `NonFiniteStormError` once the model's
+    `AdaptiveLossScaleOptimizer` has skipped `max_consecutive_skips` steps in
+    a row (one variable read per batch).
+
+    `fit` on a model returned by `tf_als.instrument` adds one on its own.
+    Add it yourself to `fit` a plain model compiled with an
+    `AdaptiveLossScaleOptimizer`. In a compiled custom training loop call
+    `optimizer.check_skips()` after each step instead (an eager loop checks
+    on its own).
+
+    When the loss itself was not finite at the first skipped step, the
+    guard re-runs the model eagerly on up to 8 batches of `inputs` (the
+    training inputs) and adds to the error the first layer whose float16
+    output is not finite. With `batches` (`(x, y, sample_weight)` training
+    batches; `fit` on an instrumented model passes them), the optimizer can
+    also re-run the backward pass with the model's compiled loss, to
+    promote a layer whose backward pass fails (`promote_on_storm`).
+
+    Args:
+        inputs: optional; a callable returning an iterable of input
+            batches (without targets) to re-run.
+        batches: optional; a callable returning an iterable of
+            `(x, y, sample_weight)` training batches (it supersedes
+            `inputs`).
+
+    Example:
+
+    ```python
+    model.fit(x, y, callbacks=[tf_als.callbacks.NonFiniteGuard()])
+    ```
+    """
+
+    def __init__(self, inputs=None, batches=None):
+        super().__init__()
+        for name, value in (("inputs", inputs), ("batches", batches)):
+            if value is not None and not callable(value):
+                raise TypeError(
+                    f"`{name}` must be a callable returning batches, or "
+                    f"None; received {type(value).__name__}."
+                )
+        if batches is not None:
+            inputs = lambda: (b[0] for b in batches())  # noqa: E731
+        self._input_batches = inputs
+        self._training_batches = batches
+        self._batches = 0
+
+    def on_train_begin(self, logs=None):
+        self._batches = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._batches += 1
+        optimizer = self.model.optimizer
+        check = getattr(optimizer, "check_skips", None)
+        if check is None:
+            return
+        if self._training_batches is not None:
+            batches, loss = self._training_batches, self._compiled_loss
+        else:
+            batches, loss = self._input_batches, None
+        try:
+            promoted = check(
+                attempted=self._batches, batches=_latest_first(batches, batch), loss=loss
+            )
+        except NonFiniteStormError as error:
+            hint = self._forward_hint(optimizer)
+            if hint is None:
+                raise
+            raise NonFiniteStormError(f"{error} {hint}") from None
+
+    def _compiled_loss(self, y, y_pred, sample_weight=None):
+        return self.model.compute_loss(y=y, y_pred=y_pred, sample_weight=sample_weight)
+
+    def _forward_hint(self, optimizer):
+        loss_finite = int(keras.ops.convert_to_numpy(optimizer.first_non_finite)[2])
+        rescued = optimizer.promote_on_storm and bool(optimizer.applied_models())
+        if self._input_batches is None or loss_finite != 0 or rescued:
+            return None
+        model = getattr(self.model, "model", self.model)  # the plain layers
+        culprit = forward.search(model, self._input_batches())
+        if culprit is None:
+            return (
+                "An eager re-run on training batches found every layer output "
+                "finite (the failing batches, or dropout draws, differ)."
+            )
+        return (
+            "An eager re-run on the training data found the first layer "
+            f"whose float16 output is not finite: {culprit!r}. Give it "
+            "dtype='float32' (it then computes in float32; its weights are "
+            "float32 already)."
+        )

@@ -1,0 +1,675 @@
+"""From gradient statistics to a per-layer scale: the whole rule, pure.
+
+This is the only module that knows float16's limits and the percentile rule.
+Everything here is a function of tensors with no variables and no Keras, so it
+is tested on crafted tensors without `fit()`.
+
+The rule, for the gradient `g` that arrives at a scaling point (already
+carrying the global scale S and the downstream per-layer scales):
+
+    q     = underflow_rate-quantile of the nonzero |g|, rounded down to a
+            power of two (exact for the test below; from exponent counts)
+    amax  = max |g| * max(1, S_initial / S)
+    k_cap = largest k with  amax * 2**k * overflow_margin <= FLOAT16_MAX
+    s     = 2 ** clip(k_cap, -log2(T_out), log2(max_layer_scale))
+    s     = previous s   if g is all zero or not finite
+    underflow reported   if q * s < FLOAT16_MIN_NORMAL
+
+amax is judged as if the global scale S had not backed off below its initial
+value. Otherwise a per-layer scale would undo every back-off (a lower S
+lowers amax, so the lift rises to match): a gradient that grows past float16's
+range further upstream, where no per-layer scale can lower it, would then
+overflow at every S, and S would slide to zero. With the back-off factor,
+halving S halves the gradients everywhere, as with Keras's loss scaling.
+
+The scale aims as high as safety allows rather than at the smallest scale that
+lifts q: underflow also happens inside a layer's own backward pass, where q
+cannot see it, and the margin below float16's maximum is what keeps that
+backward pass (and the layers above it) from overflowing.
+
+A scale below 1 gives back lift. The gradient reaching a point already
+carries T_out, the lift chosen by the points downstream of it, from their
+own gradients. Gradients often grow on the way back (a post-LN residual
+stream grows through every LayerNormalization), so a lift that was safe
+where it was chosen can leave no headroom further up, and a point that could
+only keep or raise it would overflow there: a skipped step and a halved
+global scale, where Keras's single scale would not have skipped. Such a
+point takes s < 1, as far as T_in = s * T_out = 1 and no further: the
+gradient is then scaled exactly as Keras's global scale alone would scale
+it, never less.
+
+Every statistic is a linear pass over the gradient (reductions and one
+count per binary exponent); nothing is sorted, so a telemetry step's cost
+grows with the sample's size, not with size * log(size) (the paper's rule,
+`choose_scale_paper`, sorts). The exponent
+counts give both the percentile and the log2 histogram.
+"""
+
+from typing import NamedTuple
+
+import tensorflow as tf
+
+from tf_als._src.scaling import _pow2
+
+FLOAT16_MAX = 65504.0
+FLOAT16_MAX_EXPONENT = 15  # 2**15 is the largest power of two below the max.
+FLOAT16_MIN_NORMAL = 2.0**-14
+FLOAT16_MIN_SUBNORMAL = 2.0**-24
+# Histogram of log2 magnitudes: one bin per binary exponent a float16 can
+# hold, from its smallest subnormal, 2**-24, to 2**15 (smaller or larger
+# float32 values land in the end bins).
+HISTOGRAM_EXPONENTS = tuple(range(-24, FLOAT16_MAX_EXPONENT + 1))
+
+
+class GradientStatistics(NamedTuple):
+    """What a scaling point measures of its incoming gradient.
+
+    All fields are float32 scalars, in the units of the gradient as it
+    arrived (that is, including every scale applied downstream of it).
+
+    Attributes:
+        percentile: the `underflow_rate` quantile of the nonzero magnitudes
+            (lower interpolation) rounded down to a power of two, or 0 when
+            every element is zero.
+        amax: the largest magnitude (inf if any element is inf, NaN if any
+            is NaN). Float32 subnormals (below 2**-126) read as zero on
+            TensorFlow's CPU kernels, so such a gradient counts as all zero.
+        zero_fraction: fraction of elements that are exactly zero.
+        subnormal_fraction: fraction of elements that are nonzero and below
+            float16's smallest normal, 2**-14.
+        near_max_fraction: fraction of elements whose magnitude is at least
+            2**15, float16's largest power of two (within a factor of two of
+            its maximum), non-finite elements included.
+    """
+
+    percentile: tf.Tensor
+    amax: tf.Tensor
+    zero_fraction: tf.Tensor
+    subnormal_fraction: tf.Tensor
+    near_max_fraction: tf.Tensor
+
+
+def gradient_statistics(gradients, underflow_rate) -> GradientStatistics:
+    """Measures a gradient (or several, pooled) in float32.
+
+    Args:
+        gradients: a tensor or a list of tensors of any float dtype; their
+            elements are pooled.
+        underflow_rate: float in [0, 1) (or a scalar tensor). Which quantile
+            of the nonzero magnitudes to report as `percentile`.
+
+    Returns:
+        A `GradientStatistics`.
+
+    Example:
+
+    >>> g = tf.constant([0.0, 1.0, 2.0, 3.0, 4.0], tf.float16)
+    >>> s = gradient_statistics(g, underflow_rate=0.5)
+    >>> float(s.percentile), float(s.amax), round(float(s.zero_fraction), 6)
+    (2.0, 4.0, 0.2)
+    """
+    statistics, _ = statistics_of_tallies(tally(gradients)[tf.newaxis], underflow_rate)
+    return GradientStatistics(*[field[0] for field in statistics])
+
+
+def nan_max(values, axis=None) -> tf.Tensor:
+    """The maximum of `values` (float32) over `axis`, NaN wherever a NaN is
+    among them: TensorFlow's max reduction may drop NaN. inf stays inf.
+
+    >>> float(nan_max(tf.constant([1.0, float("nan"), 3.0])))
+    nan
+    >>> nan_max(tf.constant([[1.0, 2.0], [float("inf"), 0.0]]), 0).numpy()
+    array([inf,  2.], dtype=float32)
+    """
+    return tf.where(
+        tf.reduce_any(tf.math.is_nan(values), axis),
+        tf.constant(float("nan")),
+        tf.reduce_max(values, axis),
+    )
+
+
+def choose_scale(
+    statistics: GradientStatistics,
+    current_scale,
+    max_layer_scale,
+    overflow_margin,
+    backoff=1.0,
+    inherited=1.0,
+) -> tf.Tensor:
+    """Returns the new per-layer scale (float32, a power of two).
+
+    Args:
+        statistics: `GradientStatistics` of the incoming gradient.
+        current_scale: float32 scalar, the scale in use; kept when the
+            gradient is all zero or not finite.
+        max_layer_scale: float (or float32 scalar tensor), a power of two in
+            [1, 2**15]; the ceiling.
+        overflow_margin: float (or float32 scalar tensor), a power of two
+            >= 1; the headroom kept between the scaled gradient's amax and
+            float16's maximum.
+        backoff: float32 scalar >= 1, how far the global loss scale has
+            backed off below its initial value (initial / current, or 1).
+            amax is judged as if that back-off had not happened, so that a
+            per-layer scale never undoes it: when gradients overflow
+            somewhere, halving the global scale halves them everywhere.
+        inherited: float32 scalar, a power of two >= 1: T_out, the lift the
+            gradient already carries from the points downstream. The scale
+            goes no lower than 1 / inherited, so that T_in >= 1.
+
+    Example (amax 2**-10, margin 2**12: the cap is 2**(15 + 10 - 12)):
+
+    >>> stats = gradient_statistics(tf.constant([2.0**-10]), 0.01)
+    >>> float(choose_scale(stats, 1.0, 2.0**15, 2.0**12))
+    8192.0
+
+    An amax of 2**4 allows k = -1; inherited lift 2**6 lets the point give
+    that much back, and no inherited lift keeps 1:
+
+    >>> stats = gradient_statistics(tf.constant([16.0]), 0.01)
+    >>> float(choose_scale(stats, 1.0, 2.0**15, 2.0**12, inherited=64.0))
+    0.5
+    >>> float(choose_scale(stats, 1.0, 2.0**15, 2.0**12))
+    1.0
+    """
+    return choose_scale_from_amax(
+        statistics.amax, current_scale, max_layer_scale, overflow_margin,
+        backoff, inherited,
+    )
+
+
+def choose_scale_from_amax(
+    amax, current_scale, max_layer_scale, overflow_margin, backoff=1.0, inherited=1.0
+) -> tf.Tensor:
+    """`choose_scale` from the one statistic it reads, the incoming
+    gradient's amax (elementwise: any shape).
+
+    This is what every scaling point runs on every step, inside its
+    gradient function (`current_scale` 1: a gradient that is all zero or
+    not finite gets the neutral scale), as `scale_within(amax,
+    headroom(overflow_margin, backoff), ...)`.
+
+    >>> float(choose_scale_from_amax(tf.constant(2.0**-10), 1.0, 2.0**15, 2.0**12))
+    8192.0
+    """
+    scale = scale_within(
+        amax, headroom(overflow_margin, backoff), max_layer_scale, inherited
+    )
+    return tf.where(
+        usable_amax(amax, backoff), scale, tf.cast(current_scale, tf.float32)
+    )
+
+
+def headroom(overflow_margin, backoff=1.0) -> tf.Tensor:
+    """The largest scaled amax the rule allows: float16's maximum divided
+    by the margin and the back-off, in float32 (exact when both are powers
+    of two, as the back-off is unless `initial_scale` is not). One per
+    backward pass: every point of the pass shares it.
+
+    >>> float(headroom(2.0**12, 2.0))
+    7.99609375
+    """
+    factor = tf.cast(overflow_margin, tf.float32) * tf.cast(backoff, tf.float32)
+    return FLOAT16_MAX / factor
+
+
+def scale_within(amax, limit, max_layer_scale, inherited=1.0) -> tf.Tensor:
+    """The largest power of two s with amax * s <= `limit`, clipped to
+    [1 / inherited, max_layer_scale]; 1 where amax is 0 or NaN (float32,
+    elementwise). A handful of scalar ops: s is read from the float32 bit
+    pattern of limit / amax (its mantissa cleared), and halved where that
+    quotient was rounded up to a power of two, so the result is exact.
+
+    >>> float(scale_within(tf.constant(3.0), tf.constant(16.0), 2.0**15))
+    4.0
+    >>> float(scale_within(tf.constant(3.0), tf.constant(16.0), 2.0**15, 64.0))
+    4.0
+    >>> float(scale_within(tf.constant(2.0**10), tf.constant(1.0), 2.0**15, 64.0))
+    0.015625
+    """
+    amax = tf.cast(amax, tf.float32)
+    scale = _pow2.floor_pow2(limit / amax)
+    scale = tf.where(amax * scale > limit, scale * 0.5, scale)
+    low = tf.math.reciprocal(tf.cast(inherited, tf.float32))
+    scale = tf.maximum(tf.minimum(scale, tf.cast(max_layer_scale, tf.float32)), low)
+    return tf.where(amax > 0.0, scale, 1.0)
+
+
+def amax_of(gradients) -> tf.Tensor:
+    """The largest magnitude among `gradients` (a tensor or a list of them,
+    any float dtype), as a float32 scalar: the one number the default rule
+    reads, and what a scaling point computes on every step. A non-finite
+    element gives inf or NaN (which keeps nothing: the step is skipped).
+
+    >>> float(amax_of([tf.constant([1.0, -3.0], tf.float16), tf.constant([2.0])]))
+    3.0
+    """
+    if not isinstance(gradients, (list, tuple)):
+        gradients = [gradients]
+    values = [_amax(g) for g in gradients]
+    return values[0] if len(values) == 1 else tf.reduce_max(tf.stack(values))
+
+
+# Forward headroom: a float16 output whose magnitude reaches float16's
+# maximum divided by this factor (65504 / 16 = 4094) is "near the maximum":
+# growth by that factor, or a float16 sum over that many of its elements,
+# can reach inf. What a point's telemetry counts (`forward_headroom`) and
+# `silent` warns about.
+NEAR_MAX_FACTOR = 2**4
+NEAR_MAX_THRESHOLD = FLOAT16_MAX / NEAR_MAX_FACTOR
+
+
+def forward_headroom(outputs) -> tf.Tensor:
+    """[amax, near-max fraction] of a scaling point's forward outputs (a
+    list of tensors, pooled), float32: the largest magnitude (`amax_of`,
+    exact), and the exact share of elements with magnitude >=
+    `NEAR_MAX_THRESHOLD` (NaN and inf counted, as in `GradientStatistics`'
+    `near_max_fraction`). [0, 0] when there are no outputs. A full pass over
+    each output: telemetry steps only.
+
+    >>> y = tf.constant([1.0, -5000.0, 4094.0, 100.0], tf.float16)
+    >>> forward_headroom([y]).numpy().tolist()
+    [5000.0, 0.5]
+    >>> forward_headroom([]).numpy().tolist()
+    [0.0, 0.0]
+    """
+    if not outputs:
+        return tf.zeros([2], tf.float32)
+    near, size = [], []
+    for y in outputs:
+        flagged = tf.logical_or(tf.abs(y) >= NEAR_MAX_THRESHOLD, tf.math.is_nan(y))
+        near.append(tf.math.count_nonzero(flagged, dtype=tf.int64))
+        size.append(tf.size(y, out_type=tf.int64))
+    share = tf.cast(tf.add_n(near), tf.float64) / tf.cast(
+        tf.maximum(tf.add_n(size), 1), tf.float64
+    )
+    return tf.stack([amax_of(list(outputs)), tf.cast(share, tf.float32)])
+
+
+# Float dtype -> (signed and unsigned integers of its width, its sign bit).
+_BITS = {
+    tf.float16: (tf.int16, tf.uint16, 1 << 15),
+    tf.bfloat16: (tf.int16, tf.uint16, 1 << 15),
+    tf.float32: (tf.int32, tf.uint32, 1 << 31),
+}
+
+
+def _amax(gradient) -> tf.Tensor:
+    """max |gradient| as float32, from two integer max-reductions over its
+    bit pattern and no elementwise pass: a float's magnitude orders as its
+    bits without the sign (NaN's above inf's), the signed maximum finds
+    the largest positive element and the unsigned one the largest
+    negative. On a CPU without XLA, float16 `reduce_max(abs(g))` costs
+    about twice as much (the `abs` writes a copy, and float16 reductions
+    are not vectorised)."""
+    if gradient.dtype not in _BITS:
+        return tf.cast(tf.reduce_max(tf.abs(gradient)), tf.float32)
+    signed, unsigned, sign = _BITS[gradient.dtype]
+    positive = tf.cast(tf.reduce_max(tf.bitcast(gradient, signed)), tf.int64)
+    negative = tf.cast(tf.reduce_max(tf.bitcast(gradient, unsigned)), tf.int64)
+    bits = tf.maximum(tf.maximum(positive, 0), negative - sign)
+    value = tf.bitcast(tf.cast(bits, signed), gradient.dtype)
+    return tf.cast(value, tf.float32)
+
+
+def choose_scale_paper(
+    gradients,
+    current_scale,
+    max_layer_scale,
+    overflow_margin,
+    underflow_rate,
+    backoff=1.0,
+    inherited=1.0,
+) -> tf.Tensor:
+    """The ALS paper's per-layer scale (float32, a power of two): the
+    reciprocal of the `underflow_rate` quantile of the incoming gradient's
+    nonzero magnitudes, rounded down to a power of two, then capped as
+    `choose_scale_from_amax` caps (never above what safety allows for the
+    gradient's amax, within [1 / inherited, max_layer_scale]). Kept at
+    `current_scale` when every element is zero or one is not finite.
+
+    The quantile is `tfp.stats.percentile` (lower interpolation) of the
+    magnitudes, a sort: this runs every `update_interval` steps, never
+    on every step.
+
+    Example: the 1% quantile of (1..100) * 2**-20 is 2**-20, whose
+    reciprocal 2**20 is above `max_layer_scale`; times 2**16, the quantile
+    2**-4 asks for 16, but the amax, 6.25, leaves room for 2 below
+    float16's maximum with a margin of 2**12:
+
+    >>> g = tf.range(1.0, 101.0) * 2.0**-20
+    >>> float(choose_scale_paper(g, 1.0, 2.0**15, 2.0**12, 0.01))
+    32768.0
+    >>> float(choose_scale_paper(g * 2.0**16, 1.0, 2.0**15, 2.0**12, 0.01))
+    2.0
+    >>> float(choose_scale_paper(g * 2.0**16, 1.0, 2.0**15, 1.0, 0.01))
+    16.0
+    """
+    quantile = nonzero_quantile(gradients, underflow_rate)
+    safe = safe_exponent(amax_of(gradients), overflow_margin, backoff)
+    # The largest power of two <= 1 / quantile, exactly.
+    low = _pow2.floor_log2(quantile)
+    reciprocal = tf.where(tf.equal(_pow2.pow2(low), quantile), -low, -low - 1)
+    max_exponent = _pow2.floor_log2(tf.cast(max_layer_scale, tf.float32))
+    min_exponent = -_pow2.floor_log2(tf.cast(inherited, tf.float32))
+    exponent = tf.clip_by_value(
+        tf.minimum(reciprocal, safe), min_exponent, max_exponent
+    )
+    usable = tf.logical_and(
+        usable_amax(amax_of(gradients), backoff),
+        tf.logical_and(quantile > 0.0, tf.math.is_finite(quantile)),
+    )
+    return tf.where(usable, _pow2.pow2(exponent), tf.cast(current_scale, tf.float32))
+
+
+def nonzero_quantile(gradients, rate) -> tf.Tensor:
+    """The `rate` quantile (lower interpolation, as numpy's
+    `method="lower"`) of the nonzero magnitudes of `gradients` (pooled), in
+    float32, computed with `tfp.stats.percentile`; 0 when every element is
+    zero. Zeros are moved past the end (as +inf) and the percentile is
+    asked for the rank the nonzero elements alone would give it, so the
+    shape stays static (XLA compiles it).
+
+    >>> float(nonzero_quantile(tf.constant([0.0, 0.0, 3.0, -1.0, 2.0]), 0.5))
+    2.0
+    """
+    import tensorflow_probability as tfp  # Only the "paper" rule needs it.
+
+    if not isinstance(gradients, (list, tuple)):
+        gradients = [gradients]
+    magnitudes = tf.concat(
+        [tf.abs(tf.reshape(tf.cast(g, tf.float32), [-1])) for g in gradients], 0
+    )
+    nonzero = tf.cast(tf.math.count_nonzero(magnitudes), tf.float64)
+    size = tf.cast(tf.size(magnitudes), tf.float64)
+    rank = tf.floor(
+        _as_float64(rate) * tf.maximum(nonzero - 1.0, 0.0) * (1.0 + 2.0**-40)
+    )
+    # tfp takes index floor((size - 1) * q / 100): aim at the middle of
+    # the rank, so that rounding cannot move it.
+    q = 100.0 * (rank + 0.5) / tf.maximum(size - 1.0, 1.0)
+    moved = tf.where(magnitudes > 0.0, magnitudes, float("inf"))
+    value = tfp.stats.percentile(
+        moved, tf.minimum(q, 100.0), interpolation="lower"
+    )
+    return tf.where(nonzero > 0, value, 0.0)
+
+
+def safe_exponent(amax, overflow_margin, backoff=1.0) -> tf.Tensor:
+    """The largest k (int32) with amax * backoff * overflow_margin * 2**k
+    <= float16's maximum: the scale exponent that safety allows, before the
+    clip to [1 / inherited, max_layer_scale] (elementwise).
+
+    The gradient times a power of two 2**f allows exactly k - f (the test
+    against float16's maximum reads the mantissa, which 2**f keeps). The
+    paper's rule caps its scale with it.
+
+    >>> int(safe_exponent(tf.constant(2.0**-10), 2.0**12))
+    13
+    """
+    amax = tf.cast(amax, tf.float32) * tf.cast(backoff, tf.float32)
+    margin = tf.cast(overflow_margin, tf.float32)
+    # amax * margin >= 2**-126 keeps floor_log2 exact (a float32 gradient can
+    # be smaller than any float16); such a gradient gets the ceiling anyway.
+    reach = tf.maximum(amax * margin, 2.0**-126)
+    cap = FLOAT16_MAX_EXPONENT - _pow2.floor_log2(reach)
+    # amax * margin * 2**cap < 2**16, but may still exceed 65504.
+    too_big = reach * _pow2.pow2(cap) > FLOAT16_MAX
+    return cap - tf.cast(too_big, tf.int32)
+
+
+def usable_amax(amax, backoff=1.0) -> tf.Tensor:
+    """Whether an amax can choose a scale: positive and finite (an all-zero
+    or non-finite gradient keeps its point's scale)."""
+    amax = tf.cast(amax, tf.float32) * tf.cast(backoff, tf.float32)
+    return tf.logical_and(amax > 0.0, tf.math.is_finite(amax))
+
+
+def lifts_percentile(statistics: GradientStatistics, scale) -> tf.Tensor:
+    """True when `scale` lifts the measured percentile to a normal float16
+    (or when there is nothing to lift); False reports residual underflow."""
+    scaled = statistics.percentile * tf.cast(scale, tf.float32)
+    return tf.logical_or(
+        statistics.percentile <= 0.0, scaled >= FLOAT16_MIN_NORMAL
+    )
+
+
+def log2_histogram(gradients) -> tf.Tensor:
+    """Fraction of all elements of `gradients` (pooled) whose magnitude has
+    each binary exponent in `HISTOGRAM_EXPONENTS`: bin i counts the nonzero
+    finite magnitudes in [2**e, 2**(e+1)), e = HISTOGRAM_EXPONENTS[i]; the
+    end bins also take the (float32) magnitudes beyond them. Zeros and
+    non-finite elements are in no bin.
+
+    >>> log2_histogram(tf.constant([0.0, 1.0, 1.5, 2.0**-20], tf.float16)).numpy()[
+    ...     [4, 24]]
+    array([0.25, 0.5 ], dtype=float32)
+    """
+    _, histograms = statistics_of_tallies(tally(gradients)[tf.newaxis], 0.0)
+    return histograms[0]
+
+
+# -- tallies: the telemetry of a scaling point's sample ----------------------
+#
+# A tally is a gradient's amax followed by how many of its elements have
+# each float32 exponent field, read from the bit pattern of |g| as float32:
+# field 0 holds the zeros (and float32 subnormals, which TensorFlow's CPU
+# kernels read as zero), fields 1 to 254 the binary exponents -126 to 127,
+# field 255 the non-finite elements. Scales are powers of two, so the
+# exponent is all the rule needs: every statistic, for any underflow rate,
+# and the statistics of the same gradient times any power of two, come from
+# the tally without touching the gradient again.
+_EXPONENT_FIELDS = 256
+_NON_FINITE_FIELD = _EXPONENT_FIELDS - 1
+TALLY_SIZE = 1 + _EXPONENT_FIELDS
+
+
+def _field(exponent):
+    """The exponent field of binary exponent `exponent` (a normal float32)."""
+    return exponent - _pow2.MIN_EXPONENT + 1
+
+
+def tally(gradients) -> tf.Tensor:
+    """The tally of `gradients` (a tensor or a list of tensors of any float
+    dtype and shape, pooled): a float32 vector of `TALLY_SIZE`, its amax
+    (`nan_max` of the magnitudes) then one count per float32 exponent field.
+
+    A few elementwise ops and one segment sum per gradient: what a
+    telemetry step runs on each point's sample. `statistics_of_tallies` derives
+    everything else, for all points at once. Counts are exact up to 2**24
+    elements per exponent (float32).
+
+    >>> t = tally(tf.constant([0.0, -1.5, 2.0**-20, 1.0], tf.float16))
+    >>> float(t[0]), float(t[1]), float(t[1 + _field(0)]), float(t[1 + _field(-20)])
+    (1.5, 1.0, 2.0, 1.0)
+    >>> float(tally(tf.constant([1.0, -float("nan"), float("inf")]))[0])
+    nan
+    """
+    if not isinstance(gradients, (list, tuple)):
+        gradients = [gradients]
+    amaxes, counts = [], []
+    for g in gradients:
+        magnitudes = tf.abs(tf.reshape(tf.cast(g, tf.float32), [-1]))
+        bits = tf.bitcast(magnitudes, tf.int32)
+        # Non-negative floats order as their bit patterns, and NaN's lie
+        # above inf's: one integer max is a NaN-propagating amax (XLA
+        # compiles it in about half the time of `nan_max`'s two
+        # reductions; 0 for an empty gradient).
+        amaxes.append(tf.bitcast(tf.maximum(tf.reduce_max(bits), 0), tf.float32))
+        fields = tf.bitwise.right_shift(bits, 23)
+        counts.append(
+            tf.math.unsorted_segment_sum(tf.ones_like(fields), fields, _EXPONENT_FIELDS)
+        )
+    amax = amaxes[0] if len(amaxes) == 1 else nan_max(tf.stack(amaxes))
+    count = counts[0] if len(counts) == 1 else tf.add_n(counts)
+    return tf.concat([amax[tf.newaxis], tf.cast(count, tf.float32)], 0)
+
+
+# Telemetry tallies a sample of at most this many elements of each
+# incoming gradient on every step (see `sample`).
+SAMPLE_SIZE = 4096
+
+
+def sample(gradient, size: int = SAMPLE_SIZE, examples: int = 4) -> tf.Tensor:
+    """At most about `size` elements of `gradient`, flattened: every k-th
+    element, k odd and the smallest that keeps the sample within `size`
+    (an odd stride walks through every channel of a power-of-two channel
+    dimension instead of sampling one). The whole gradient when it has at
+    most `size` elements. When only the batch dimension is unknown (a
+    `fit` step), the sample strides through the first `examples` examples,
+    so that the stride is a constant; a tensor of unknown shape otherwise
+    is strided as a whole.
+
+    >>> sample(tf.range(10.0), size=4).numpy()
+    array([0., 3., 6., 9.], dtype=float32)
+    """
+    shape = gradient.shape
+    if not shape.is_fully_defined() and shape.rank and shape[1:].is_fully_defined():
+        count = examples * shape[1:].num_elements()
+        gradient = gradient[:examples]
+    else:
+        count = shape.num_elements() if shape.is_fully_defined() else None
+    flat = tf.reshape(gradient, [-1])
+    if count is None:
+        count = tf.size(flat)
+    stride = (count + size - 1) // size
+    stride = stride + 1 - stride % 2  # odd
+    return flat[::stride]
+
+
+def telemetry_tally(gradients, amax) -> tf.Tensor:
+    """The tally (`tally`) of a `sample` of each of `gradients`, with the
+    exact `amax` of the whole gradients in place of the sample's: what a
+    scaling point records on every step, for the telemetry. Its counts
+    describe the sample: fractions and the percentile are estimates from
+    up to `SAMPLE_SIZE` elements per gradient; amax is exact.
+
+    >>> t = telemetry_tally(tf.constant([0.0, 1.0, 2.0]), tf.constant(2.0))
+    >>> float(t[0]), float(tf.reduce_sum(t[1:]))
+    (2.0, 3.0)
+    """
+    if not isinstance(gradients, (list, tuple)):
+        gradients = [gradients]
+    counts = tally([sample(g) for g in gradients])[1:]
+    return tf.concat([tf.reshape(tf.cast(amax, tf.float32), [1]), counts], 0)
+
+
+def statistics_of_tallies(tallies, underflow_rate) -> tuple:
+    """`(GradientStatistics, histograms)` of every row of `tallies`
+    ([points, TALLY_SIZE]): each field of the statistics a [points] tensor,
+    the `log2_histogram`s [points, len(HISTOGRAM_EXPONENTS)]. One pass over
+    the rows, no sort: the percentile is the lower edge of the exponent bin
+    that holds the element of rank floor(rate * (nonzero - 1)).
+
+    >>> t = tally(tf.constant([0.0, 1.0, 2.0, 3.0, 4.0]))
+    >>> stats, _ = statistics_of_tallies(tf.stack([t, t * 0.0]), 0.5)
+    >>> stats.percentile.numpy(), stats.zero_fraction.numpy()
+    (array([2., 0.], dtype=float32), array([0.2, 0. ], dtype=float32))
+    """
+    tallies = tf.convert_to_tensor(tallies, tf.float32)
+    counts = tallies[:, 1:]
+    size = tf.reduce_sum(counts, 1)
+    zeros = counts[:, 0]
+    nonzero = size - zeros
+    subnormal = tf.reduce_sum(counts[:, 1 : _field(-14)], 1)
+    near_max = tf.reduce_sum(counts[:, _field(FLOAT16_MAX_EXPONENT) :], 1)
+    percentile = _percentile(counts[:, 1:], nonzero, _as_float64(underflow_rate))
+    size = tf.maximum(size, 1.0)
+    statistics = GradientStatistics(
+        percentile, tallies[:, 0], zeros / size, subnormal / size, near_max / size
+    )
+    return statistics, _histograms(counts, size)
+
+
+def _percentile(counts, nonzero, underflow_rate):
+    """The `underflow_rate` quantile of each row's nonzero magnitudes
+    (lower interpolation), rounded down to a power of two, from `counts`
+    ([points, fields 1..255]): the lower edge of the exponent bin that holds
+    the element of rank floor(rate * (nonzero-1)) (the relative 2**-40
+    absorbs float64's rounding of a decimal rate, 0.29 * 100 =
+    28.999999999999996, and moves no rank that is genuinely below an
+    integer by more than that). Rounding down keeps every comparison with a
+    power of two exact: q * s >= 2**-14 holds for the rounded q exactly when
+    it holds for q. inf when that element is not finite; 0 when every
+    element is zero."""
+    rank = tf.floor(
+        underflow_rate
+        * tf.maximum(tf.cast(nonzero, tf.float64) - 1.0, 0.0)
+        * (1.0 + 2.0**-40)
+    )
+    below = tf.math.cumsum(tf.cast(counts, tf.float64), axis=1) <= rank[:, tf.newaxis]
+    bin_ = tf.reduce_sum(tf.cast(below, tf.int32), 1)
+    percentile = tf.where(
+        bin_ >= _NON_FINITE_FIELD - 1,
+        tf.constant(float("inf")),
+        _pow2.pow2(bin_ + _pow2.MIN_EXPONENT),
+    )
+    return tf.where(nonzero > 0, percentile, 0.0)
+
+
+def _histograms(counts, size):
+    """`log2_histogram`s from exponent-field counts ([points, 256]): the
+    fraction of all elements per exponent in `HISTOGRAM_EXPONENTS`, the end
+    bins taking the float32 exponents beyond them; zeros and non-finite
+    elements in no bin."""
+    low = _field(HISTOGRAM_EXPONENTS[0])
+    high = _field(HISTOGRAM_EXPONENTS[-1])
+    bins = tf.concat(
+        [
+            tf.reduce_sum(counts[:, 1 : low + 1], 1, keepdims=True),
+            counts[:, low + 1 : high],
+            tf.reduce_sum(counts[:, high:_NON_FINITE_FIELD], 1, keepdims=True),
+        ],
+        1,
+    )
+    return bins / size[:, tf.newaxis]
+
+
+def shift_tallies(tallies, factors) -> tf.Tensor:
+    """The tallies ([points, TALLY_SIZE]) the same gradients would give
+    multiplied by `factors` ([points], powers of two): what a point's
+    incoming gradient becomes when the scales downstream of it change. amax
+    is multiplied (exact); every finite nonzero count moves by log2(factor)
+    exponents, those that would leave float32's normal range staying at its
+    end; zeros and non-finite elements stay. A factor of 1 returns the row
+    unchanged.
+
+    >>> t = tally(tf.constant([2.0**-16, 1.0, 0.0], tf.float16))
+    >>> shifted = shift_tallies(t[tf.newaxis], tf.constant([4.0]))
+    >>> stats, _ = statistics_of_tallies(shifted, 0.0)
+    >>> float(stats.percentile[0]), float(stats.amax[0]), float(stats.subnormal_fraction[0])
+    (6.103515625e-05, 4.0, 0.0)
+    """
+    tallies = tf.convert_to_tensor(tallies, tf.float32)
+    factors = tf.cast(factors, tf.float32)
+    rows = tf.shape(tallies)[0]
+    fields = tf.range(_EXPONENT_FIELDS)
+    finite = tf.logical_and(fields > 0, fields < _NON_FINITE_FIELD)
+    moved_to = tf.where(
+        finite[tf.newaxis],
+        tf.clip_by_value(
+            fields[tf.newaxis] + _pow2.floor_log2(factors)[:, tf.newaxis],
+            1,
+            _NON_FINITE_FIELD - 1,
+        ),
+        fields[tf.newaxis],
+    )
+    # One segment sum over all rows: row r's fields are segments r * 256 + i.
+    segments = moved_to + (tf.range(rows) * _EXPONENT_FIELDS)[:, tf.newaxis]
+    moved = tf.reshape(
+        tf.math.unsorted_segment_sum(
+            tf.reshape(tallies[:, 1:], [-1]),
+            tf.reshape(segments, [-1]),
+            rows * _EXPONENT_FIELDS,
+        ),
+        [rows, _EXPONENT_FIELDS],
+    )
+    shifted = tf.concat([(tallies[:, 0] * factors)[:, tf.newaxis], moved], 1)
+    return tf.where(tf.equal(factors, 1.0)[:, tf.newaxis], tallies, shifted)
+
+
+def _as_float64(value):
+    """A Python float goes to float64 directly (0.01 must not pass through
+    float32 on the way); a tensor is cast."""
+    if tf.is_tensor(value):
+        return tf.cast(value, tf.float64)
+    return tf.constant(value, tf.float64)

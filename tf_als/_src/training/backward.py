@@ -1,0 +1,462 @@
+"""The backward pass of an instrumented model: per-layer scales, forks and
+per-call unscaling, as custom-gradient identities around the original calls.
+
+Which scale each gradient carries is `algebra`'s business; this module
+applies it. Gradients run from the loss to the inputs, so when a call's
+gradient function runs, every consumer of its outputs has already run and
+recorded its scale: the scales are plain tensors handed from one gradient
+function to the next through a `Backward` object made fresh for each
+forward pass (so replicas and retraces never share one). A scaling point's
+weight gradients are divided by T_in(n) in float32 inside its own gradient
+function, so every variable receives exactly S times its true gradient,
+whichever calls it came from; the optimizer then divides by S, in the
+same multiply where a variable's whole gradient is one call's product
+(`unscaled`).
+
+Each point chooses its scale inside its gradient function, from the
+gradient it is about to scale (`rule.choose_scale_from_amax`, with
+the knobs of the model's `config.ScalingConfig` and the global
+scale's back-off from its state): one max-reduction and a few scalar ops
+per point, no branch, and no variable written. What it chose and a sample
+of what it saw go to the model's `pass_record.PassRecord`, which the
+optimizer that applies the gradients writes into the state, with a
+reference to the point's float16 forward outputs (measured there on
+telemetry steps only: the forward headroom). Under the
+paper's rule (`rule="paper"`) a point re-chooses only when the state says
+an update is due, and otherwise applies the scale in the state.
+
+Each point's own backward runs on a persistent tape kept from the forward
+pass, so the gradient function can run twice: once for a gradient the
+step differentiates again (a gradient penalty's input gradient), once for
+the outer gradient; both runs use the same scales.
+"""
+
+import tensorflow as tf
+from keras import tree
+
+from tf_als._src.model import _keras
+from tf_als._src.training import algebra
+from tf_als._src.scaling import config as config_module
+from tf_als._src.model import hooks
+from tf_als._src.training import pass_record
+from tf_als._src.scaling import rule
+from tf_als._src.training import unscaled
+
+
+class Backward:
+    """Bookkeeping shared by the gradient functions of one forward pass.
+
+    Args:
+        plan: the model's `graph.Plan`.
+        state: the model's `state.ScalingState` (row i: point i).
+        unscaled: the model's `unscaled.UnscaledGradients`, which
+            records the weight gradients this pass unscales (an optimizer
+            applying them divides them by S in the same multiply).
+        inner: `(index, tf_als.composite.Inner)` of each inner point.
+        config: the `config.ScalingConfig` the points choose with.
+        record: the model's `pass_record.PassRecord`, where each
+            point leaves its choice.
+        synchronized: indices of the points whose own backward sums
+            gradients across replicas (synchronized BatchNormalization):
+            with several replicas their gradients must carry the same scale
+            on every replica, so they take T_in = 1 there.
+    """
+
+    def __init__(
+        self, plan, state, unscaled, inner=(), config=None, record=None,
+        synchronized=frozenset(),
+    ):
+        self.plan = plan
+        self.state = state
+        self.unscaled = unscaled
+        self.config = config_module.ScalingConfig() if config is None else config
+        self.record = pass_record.PassRecord() if record is None else record
+        self.synchronized = frozenset(synchronized)
+        self.scales = algebra.Scales(plan)
+        # (enclosing point, id(layer)) -> inner point index, and each inner
+        # point's enclosing point (see `composite`).
+        self._inner = {(i.parent, id(i.layer)): index for index, i in inner}
+        self._parents = {index: i.parent for index, i in inner}
+        self._interior = {}  # point -> T_in, the scale of its interior
+        self._handled = {}  # point -> ids of variables unscaled inside it
+        self._used = {}  # point -> scale used in this pass
+        self._input_scales = {}  # point -> T its input gradients carry
+        self._limits = {}  # graph (None: eager) -> the pass's headroom
+        self._halves = {}  # point -> its float16 forward outputs
+
+    # -- the three custom-gradient identities ------------------------------
+
+    def fork(self, slot, x, count):
+        """`count` copies of `x`, one per consumer of `slot`. Backward: each
+        consumer's contribution is rescaled to the smallest consumer scale,
+        then they are summed."""
+        consumers = self.plan.consumers[slot]
+
+        @tf.custom_gradient
+        def fork(x):
+            def grad(*upstream):
+                scales = [self.scales.edge(c) for c in consumers]
+                common = self.scales.slot(slot)
+                parts = [
+                    _rescale(dy, common, t)
+                    for dy, t in zip(upstream, scales)
+                    if t is not None and dy is not None
+                ]
+                if not parts:
+                    return tf.zeros_like(x)
+                return tf.add_n([_dense(p) for p in parts])
+
+            return [tf.identity(x) for _ in range(count)], grad
+
+        outputs = fork(x)
+        for y in outputs:
+            _keras.copy_mask(x, y)
+        return outputs
+
+    def enter(self, slot, x):
+        """Identity on a model input in `slot` (a non-float input, such as
+        token ids, is returned as it is). Backward: the input's
+        gradient, which carries T(slot), brought back to T = 1 (the global
+        scale alone, as the uninstrumented model gives it), exactly, in
+        float32. What uses a model's input gradient sees no per-layer
+        scale: a gradient penalty, or a GAN's generator behind its
+        critic."""
+
+        if not _is_float_tensor(x):
+            return x
+
+        @tf.custom_gradient
+        def enter(x):
+            def grad(dy):
+                t = self.scales.slot(slot)
+                return dy if t is None else _rescale(_dense(dy), 1.0, t)
+
+            return tf.identity(x), grad
+
+        y = enter(x)
+        _keras.copy_mask(x, y)
+        return y
+
+    def align(self, call, outputs):
+        """Identity on a weightless call's float outputs. Backward: rescales
+        each output's gradient to the call's common (minimum) scale, so
+        the call's own backward sums consistently scaled contributions."""
+        floats = [
+            i
+            for i, slot in enumerate(call.outputs)
+            if slot in self.plan.float_slots
+        ]
+        if len(floats) < 2:
+            return outputs
+
+        @tf.custom_gradient
+        def align(*xs):
+            def grad(*upstream):
+                common = self.scales.call(call)
+                result = []
+                for i, dy in zip(floats, upstream):
+                    t = self.scales.slot(call.outputs[i])
+                    result.append(dy if t is None else _rescale(dy, common, t))
+                return result
+
+            return [tf.identity(x) for x in xs], grad
+
+        aligned = align(*[outputs[i] for i in floats])
+        outputs = list(outputs)
+        for i, y in zip(floats, aligned):
+            _keras.copy_mask(outputs[i], y)
+            outputs[i] = y
+        return outputs
+
+    def wrap_call(self, call, function, args, kwargs):
+        """Calls `function(*args, **kwargs)` (the layer) as a scaling point.
+
+        Forward: the layer's outputs, untouched. Backward: the output
+        gradients are aligned to T_out, s_n is chosen from them, they
+        are multiplied by s_n, the layer's own backward
+        runs, and its weight gradients are divided by T_in = s_n * T_out in
+        float32.
+
+        Returns the flat list of outputs.
+        """
+
+        def backward(tape, ys, xs, variables, upstream, floats):
+            common = self.scales.call(call)
+            common = 1.0 if common is None else common
+            upstream = [
+                dy if t is None else _rescale(_dense(dy), common, t)
+                for dy, t in zip(
+                    upstream, [self.scales.slot(call.outputs[i]) for i in floats]
+                )
+            ]
+            scale = self._scale(call.point, upstream, common)
+            scale_in = scale * common
+            self.scales.point_scales[call.index] = scale_in
+            self._input_scales[call.point] = scale_in
+            return self._inside(
+                call.point, tape, ys, xs, variables, upstream, scale, scale_in
+            )
+
+        _, outputs = self._scaled_call(call.point, function, args, kwargs, backward)
+        return outputs
+
+    def inner_point_index(self, parent, layer):
+        """The inner point a call of `layer` is when made inside point
+        `parent`'s call, or None."""
+        return self._inner.get((parent, id(layer)))
+
+    def wrap_inner_call(self, point, function, args, kwargs):
+        """Calls `function(*args, **kwargs)` (a hooked layer's own `call`)
+        as inner scaling point `point`.
+
+        Forward: the layer's outputs, untouched. Backward: the output
+        gradients carry the scale T of the enclosing point's interior; they
+        are multiplied by s_n (chosen from them), the layer's own
+        backward runs, its weight gradients are divided by s_n * T in
+        float32 and its input gradients by s_n (exact: a power of two, in
+        float32), so every contribution inside the enclosing call carries
+        the same scale T, whichever layer it came from (the common scale at
+        every fork inside it).
+        """
+        parent = self._parents[point]
+
+        def backward(tape, ys, xs, variables, upstream, floats):
+            upstream = [
+                tf.zeros_like(y) if dy is None else _dense(dy)
+                for y, dy in zip(ys, upstream)
+            ]
+            scale_out = self._interior.get(parent, 1.0)
+            scale = self._scale(point, upstream, scale_out)
+            scale_in = scale * scale_out
+            self._input_scales[point] = scale_out
+            input_grads, variable_grads = self._inside(
+                point, tape, ys, xs, variables, upstream, scale, scale_in
+            )
+            input_grads = [
+                None if g is None else _rescale(g, scale_out, scale_in)
+                for g in input_grads
+            ]
+            self._handled.setdefault(parent, set()).update(id(v) for v in variables)
+            return input_grads, variable_grads
+
+        structure, outputs = self._scaled_call(point, function, args, kwargs, backward)
+        return tree.pack_sequence_as(structure, outputs)
+
+    def _scaled_call(self, point, function, args, kwargs, backward):
+        """Runs `function(*args, **kwargs)` inside a custom gradient over its
+        float inputs, under a tape, as point `point` (hooked layers called
+        inside become its inner points). The gradient is
+        `backward(tape, ys, xs, variables, upstream, floats)`: `ys` the
+        float outputs (at positions `floats` of the flat outputs), `xs`
+        the float inputs, `variables` those the call read.
+
+        Returns `(structure, flat)`: the structure of the outputs, and the
+        flat outputs with the float ones replaced by their identities.
+        """
+        flat = tree.flatten((args, kwargs))
+        positions, xs = _float_tensors(flat)
+        results = {}
+
+        @tf.custom_gradient
+        def scaled(*xs):
+            # The layer reads views of its inputs, made before the tape: a
+            # gradient of this call's gradient (a penalty) reaches them
+            # through the layer's forward ops, unscaled, and they lift it
+            # to the scale the call's input gradients carry.
+            xs = [self._lift(point, x) for x in xs]
+            call_args, call_kwargs = _substitute(args, kwargs, flat, positions, xs)
+            with tf.GradientTape(persistent=True) as tape:
+                tape.watch(xs)
+                with hooks.inside(self, point):
+                    outputs = function(*call_args, **call_kwargs)
+            flat_outputs = tree.flatten(outputs)
+            floats = [i for i, y in enumerate(flat_outputs) if _is_float_tensor(y)]
+            results.update(outputs=outputs, floats=floats)
+            ys = [flat_outputs[i] for i in floats]
+
+            def grad(*upstream, variables=None):
+                return backward(
+                    tape, ys, xs, list(variables or []), list(upstream), floats
+                )
+
+            return ys, grad
+
+        ys = scaled(*xs)
+        if not isinstance(ys, (list, tuple)):
+            ys = [ys]
+        self._halves.setdefault(point, [y for y in ys if y.dtype == tf.float16])
+        outputs = list(tree.flatten(results["outputs"]))
+        for i, y in zip(results["floats"], ys):
+            _keras.copy_mask(outputs[i], y)
+            outputs[i] = y
+        return results["outputs"], outputs
+
+    def _lift(self, point, x):
+        """Identity on input `x` of point `point`. Backward: times the scale
+        the point's input gradients carry, which its gradient function
+        recorded; only a second-order gradient reaches here."""
+
+        @tf.custom_gradient
+        def lift(x):
+            def grad(dy):
+                t = self._input_scales.get(point)
+                return dy if t is None else _rescale(_dense(dy), t, 1.0)
+
+            return tf.identity(x), grad
+
+        y = lift(x)
+        _keras.copy_mask(x, y)
+        return y
+
+    def _inside(self, point, tape, ys, xs, variables, upstream, scale, scale_in):
+        """The backward pass of a point's own call: the incoming gradients
+        times `scale`, then input gradients (carrying `scale_in`) and
+        variable gradients, each divided by `scale_in` in float32 unless an
+        inner point inside the call already did (each product recorded in
+        the step's `unscaled.UnscaledGradients`)."""
+        self._interior[point] = scale_in
+        scaled_upstream = [dy * tf.cast(scale, dy.dtype) for dy in upstream]
+        grads = tape.gradient(
+            ys, list(xs) + variables, output_gradients=scaled_upstream
+        )
+        handled = self._handled.get(point, set())
+        factor = tf.math.reciprocal(scale_in)
+        variable_grads = [
+            g if id(v) in handled else self.unscaled.unscale(g, factor)
+            for v, g in zip(variables, grads[len(xs) :])
+        ]
+        return grads[: len(xs)], variable_grads
+
+    def _scale(self, point, upstream, scale_out):
+        """The point's scale s_n, chosen from `upstream`, the gradients it
+        is about to scale (which carry `scale_out`), and recorded. A layer
+        called several times inside one enclosing call is one inner point:
+        the first of its calls to run backwards chooses."""
+        if point in self._used:
+            return self._used[point]
+        config = self.config
+        scale_out = tf.cast(scale_out, tf.float32)
+        amax = rule.amax_of(upstream)
+        if point in self.synchronized and _replicas_in_sync() > 1:
+            # Every replica chooses its own scales, so T_out differs between
+            # them; a layer that sums its gradients across replicas inside
+            # its own backward must see the same scale everywhere: T_in = 1,
+            # the global scale alone, as Keras's (docs/distributed.md).
+            scale = tf.math.reciprocal(scale_out)
+        elif config.rule == "paper":
+            current = tf.gather(tf.convert_to_tensor(self.state.scales), point)
+
+            backoff = tf.convert_to_tensor(self.state.backoff)
+
+            def update():
+                return rule.choose_scale_paper(
+                    upstream, current, config.max_layer_scale,
+                    config.overflow_margin, config.underflow_rate, backoff,
+                    scale_out,
+                )
+
+            due = tf.convert_to_tensor(self.state.due) > 0
+            scale = tf.cond(due, update, lambda: current)
+        else:
+            scale = rule.scale_within(
+                amax, self._headroom(), config.max_layer_scale, scale_out
+            )
+        samples = tuple(rule.sample(dy) for dy in upstream)
+        self.record.put(point, pass_record.PointRecord(scale, scale_out, amax, samples))
+        self._used[point] = scale
+        return scale
+
+    def measure_forward(self) -> None:
+        """At the end of a training forward pass: the forward headroom of
+        every point's float16 outputs (`rule.forward_headroom`), in
+        one branch for the whole model that measures only when the state
+        says the coming step is a telemetry step (zeros otherwise), left
+        in the pass record for `update`. Measured here, not in the
+        optimizer's `apply`, so that no activation outlives the forward
+        pass for it."""
+        points = sorted(self._halves)
+        if not points:
+            return
+        outputs = [self._halves[p] for p in points]
+
+        def measure():
+            return tf.stack([rule.forward_headroom(o) for o in outputs])
+
+        due = tf.convert_to_tensor(self.state.telemetry_next) > 0
+        rows = tf.cond(due, measure, lambda: tf.zeros([len(points), 2]))
+        self.record.put_forward(dict(zip(points, tf.unstack(rows))))
+        self._halves = {}
+
+    def _headroom(self):
+        """`rule.headroom` of this pass, read once per graph (every
+        point of a pass shares the global scale's back-off)."""
+        graph = unscaled.traced_graph()
+        if graph not in self._limits:
+            backoff = tf.convert_to_tensor(self.state.backoff)
+            self._limits[graph] = rule.headroom(self.config.overflow_margin, backoff)
+        return self._limits[graph]
+
+
+def _replicas_in_sync() -> int:
+    context = tf.distribute.get_replica_context()
+    return 1 if context is None else context.num_replicas_in_sync
+
+
+def _substitute(args, kwargs, flat, positions, xs):
+    """`(args, kwargs)` with the float tensors at `positions` replaced by
+    `xs` (their identities inside a custom gradient), masks carried over."""
+    flat = list(flat)
+    for position, x in zip(positions, xs):
+        for p in position:
+            original = flat[p]
+            if x is not original:
+                _keras.copy_mask(original, x)
+            flat[p] = x
+    return tree.pack_sequence_as((args, kwargs), flat)
+
+
+def _is_float_tensor(x):
+    return tf.is_tensor(x) and x.dtype.is_floating
+
+
+def _float_tensors(flat):
+    """Distinct float tensors among `flat` and the positions of each."""
+    positions, tensors, index = [], [], {}
+    for p, x in enumerate(flat):
+        if not _is_float_tensor(x):
+            continue
+        if id(x) in index:
+            positions[index[id(x)]].append(p)
+            continue
+        index[id(x)] = len(tensors)
+        positions.append([p])
+        tensors.append(x)
+    return positions, tensors
+
+
+def _rescale(gradient, target, current):
+    """A gradient carrying scale `current` brought to scale `target`
+    (<= current): times target/current, a power of two, so exact; computed
+    in float32, since a factor below float16's range must not round to zero
+    before it is applied."""
+    if target is current:  # One scale, one object (a single consumer).
+        return gradient
+    if isinstance(target, float) and isinstance(current, float):
+        if target == current:
+            return gradient
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            _rescale(gradient.values, target, current),
+            gradient.indices,
+            gradient.dense_shape,
+        )
+    factor = tf.cast(target, tf.float32) / tf.cast(current, tf.float32)
+    if gradient.dtype == tf.float32:
+        return gradient * factor
+    return tf.cast(tf.cast(gradient, tf.float32) * factor, gradient.dtype)
+
+
+def _dense(gradient):
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.convert_to_tensor(gradient)
+    return gradient
