@@ -86,6 +86,30 @@ def test_a_row_reads_and_writes_its_own_row_only():
     assert [v.tolist() for v in point.scale.replica_values()] == [8.0]
 
 
+def test_a_row_converts_itself_without_a_global_conversion_function():
+    """Rows convert through their own `__tf_tensor__` (TensorFlow's tensor
+    protocol), so importing tf_als registers nothing in TensorFlow's global
+    conversion registry (read through its private module, TensorFlow 2.21)."""
+    from tensorflow.python.framework import tensor_conversion_registry
+
+    registered = tensor_conversion_registry.get(state_module.Row)
+    assert [base for base, _ in registered] == [object]
+    state = state_module.ScalingState(["a", "b"])
+    state.point(1).scale.assign(4.0)
+    row = state.point(1).scale
+    assert tf.convert_to_tensor(row).numpy() == 4.0
+    assert tf.cast(row, tf.float64).dtype == tf.float64
+    assert (tf.constant(2.0) * row).numpy() == 8.0  # an op given a row
+    state.point(0).scale.assign(row)  # a row written from another
+    assert keras.ops.convert_to_numpy(state.scales).tolist() == [4.0, 4.0]
+
+    @tf.function
+    def doubled():
+        return 2.0 * tf.convert_to_tensor(state.point(1).scale)
+
+    assert doubled().numpy() == 8.0
+
+
 def test_a_row_is_written_inside_a_compiled_function():
     state = state_module.ScalingState(["a", "b"])
 

@@ -68,7 +68,7 @@ class ScalingState(keras.layers.Layer):
       magnitude >= 65504 / `rule.NEAR_MAX_FACTOR` (both exact; 0
       for a point without float16 outputs, such as a layer in float32).
     - `histograms`: float32 `[points, len(rule.HISTOGRAM_EXPONENTS)]`, the
-      `rule.log2_histogram` of each incoming gradient's sample at
+      log2 histogram (`rule.statistics_of_tallies`) of each incoming gradient's sample at
       the last telemetry step.
     - `last_updates`: int64 `[points]`, the optimizer step of each point's
       last telemetry record (-1 before the first).
@@ -300,6 +300,13 @@ class Row:
         value = self.numpy()
         return value if dtype is None else value.astype(dtype)
 
+    def __tf_tensor__(self, dtype=None, name=None):
+        """The row as a tensor, for `tf.convert_to_tensor(row)` and any op
+        given a row (TensorFlow's `TensorProtocol`: no conversion function
+        is registered globally)."""
+        value = tf.gather(tf.convert_to_tensor(self.variable), self.index)
+        return value if dtype is None else tf.cast(value, dtype, name=name)
+
     def __float__(self):
         return float(self.numpy())
 
@@ -308,15 +315,6 @@ class Row:
 
     def __repr__(self):
         return f"<Row {self.index} of {self.variable.name}: {self.numpy()!r}>"
-
-
-def _row_to_tensor(row, dtype=None, name=None, as_ref=False):
-    del as_ref
-    value = tf.gather(tf.convert_to_tensor(row.variable), row.index)
-    return value if dtype is None else tf.cast(value, dtype, name=name)
-
-
-tf.register_tensor_conversion_function(Row, _row_to_tensor)
 
 
 def _assign_row(variable, index, value):
@@ -333,7 +331,9 @@ def record_vector(cumulative_scale, statistics, forward=None, axis=0):
     into a record in `RECORD_FIELDS` order (or, with `axis=1`, [points] of
     each into [points, record] rows).
 
-    >>> stats = rule.gradient_statistics(tf.constant([0.0, 2.0]), 0.01)
+    >>> statistics, _ = rule.statistics_of_tallies(
+    ...     rule.tally(tf.constant([0.0, 2.0]))[tf.newaxis], 0.01)
+    >>> stats = [field[0] for field in statistics]
     >>> record_vector(4.0, stats, (100.0, 0.0)).numpy().tolist()
     [4.0, 2.0, 2.0, 0.5, 0.0, 0.0, 100.0, 0.0]
     """
