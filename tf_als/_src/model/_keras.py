@@ -388,3 +388,32 @@ def global_seed_state():
         yield generator.state
     finally:
         global_state.set_global_attribute(key, existing)
+
+
+def default_graph():
+    """The graph ops are added to now: inside a `tf.function` being traced,
+    its `FuncGraph` (the innermost, within a `tf.cond` branch or loop body).
+    TensorFlow 2.21 `tf.compat.v1.get_default_graph`; public: none in TF2
+    (a symbolic tensor's `.graph` names the graph of that tensor only, and
+    making one adds an op)."""
+    return tf.compat.v1.get_default_graph()
+
+
+class CheckpointOnly:
+    """Mixin for a Keras layer or model: its dependencies named in
+    `checkpoint_only` (a tuple of names given to `track`) are saved and
+    restored by `tf.train.Checkpoint` and left out of SavedModels
+    (`tf.saved_model.save`, `model.export`), where they have no role.
+    TensorFlow 2.21 `Trackable._trackable_children(save_type)`, which Keras
+    3.15's TensorFlow-backend `Layer` overrides too; public: none
+    (`tf.train.experimental.PythonState`, the public way to checkpoint
+    Python values, warns on every SavedModel save that reaches it)."""
+
+    checkpoint_only = ()
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        children = super()._trackable_children(save_type, **kwargs)
+        if save_type == "savedmodel":
+            for name in self.checkpoint_only:
+                children.pop(name, None)
+        return children

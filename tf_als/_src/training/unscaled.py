@@ -22,6 +22,8 @@ import weakref
 
 import tensorflow as tf
 
+from tf_als._src.model import _keras
+
 
 def unscale(gradient, factor):
     """`gradient` times `factor` (a float32 scalar), computed in float32
@@ -85,4 +87,4 @@ def traced_graph():
     """The graph being traced, or None when executing eagerly."""
     if tf.executing_eagerly():
         return None
-    return tf.compat.v1.get_default_graph()
+    return _keras.default_graph()
