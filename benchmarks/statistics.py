@@ -39,7 +39,8 @@ def _sorted_statistics(g, rate):
     index = tf.floor(rate * tf.maximum(nonzero - 1.0, 0.0))
     q = tf.minimum(100.0 * (index + 0.5) / tf.maximum(size - 1.0, 1.0), 100.0)
     percentile = tfp.stats.percentile(masked, q, interpolation="lower")
-    histogram = rule.log2_histogram(g)
+    _, histograms = rule.statistics_of_tallies(rule.tally(g)[tf.newaxis], 0.0)
+    histogram = histograms[0]
     return tf.concat(
         [tf.stack([percentile, tf.reduce_max(magnitudes)]), histogram], 0
     )

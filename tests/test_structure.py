@@ -258,3 +258,73 @@ def test_the_public_surface_is_exactly_all():
     for name in tf_als.__all__:
         value = getattr(tf_als, name)
         assert "_src" not in getattr(value, "__name__", "") or not isinstance(value, type(os)), name
+
+
+# TensorFlow's private surfaces: the fence alone may reach them.
+TENSORFLOW_PRIVATE = ("tensorflow.python", "tf.__internal__", "tf.compat.v1", "tf.compat.v2")
+
+
+def test_private_tensorflow_names_are_used_only_in_the_fence():
+    offenders = [
+        f"{name}:{number}: {marker}"
+        for name, (source, _) in _modules().items()
+        if name != FENCE
+        for number, line in enumerate(source.splitlines(), 1)
+        for marker in TENSORFLOW_PRIVATE
+        if marker in line
+    ]
+    assert offenders == [], offenders
+
+
+RULE = "_src.scaling.rule"
+
+
+def _called_names(tree):
+    """Names a module reads as `rule.<name>` or calls by bare name."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            if node.value.id == "rule":
+                names.add(node.attr)
+        elif isinstance(node, ast.Name):
+            names.add(node.id)
+    return names
+
+
+def test_every_rule_function_serves_the_library():
+    """The rule that is tested is the rule that runs: every public function
+    of the rule module is read by another library module, or by a rule
+    function that is (the paper's rule reads `nonzero_quantile`). A
+    function only tests call is a second rule. (tests/training/
+    test_rule_in_step.py checks that a compiled step goes through them.)"""
+    modules = _modules()
+    source, tree = modules[RULE]
+    public = [
+        node for node in tree.body
+        if isinstance(node, ast.FunctionDef) and not node.name.startswith("_")
+    ]
+    used = set()
+    for name, (_, other) in modules.items():
+        if name != RULE:
+            used |= _called_names(other) & {f.name for f in public}
+    # Close over calls inside the rule module itself.
+    changed = True
+    while changed:
+        changed = False
+        for function in public:
+            if function.name in used:
+                inner = _called_names(function) & {f.name for f in public}
+                if not inner <= used:
+                    used |= inner
+                    changed = True
+    unused = sorted(f.name for f in public if f.name not in used)
+    assert unused == [], f"rule functions no library code reaches: {unused}"
+    # The per-step rule is composed where the points choose.
+    _, backward = modules["_src.training.backward"]
+    assert {"amax_of", "headroom", "scale_within"} <= _called_names(backward)
+
+
+def test_rule_usage_finder_sees_attribute_reads():
+    """Guards the test above: `rule.x(...)` and a bare `y(...)` count."""
+    tree = ast.parse("def f(g):\n    return rule.amax_of(g) + helper(g)\n")
+    assert {"amax_of", "helper"} <= _called_names(tree)

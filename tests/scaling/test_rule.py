@@ -166,6 +166,28 @@ def test_pow2_accepts_int64_exponents(run):
     assert_exact(run(_pow2.pow2, e), [1.0, 8.0, 2.0**-14])
 
 
+
+# --------------------------------------------------------------------------
+# One gradient's telemetry, as the training step derives it for many points
+# at once (`rule.tally`, then `rule.statistics_of_tallies`).
+# --------------------------------------------------------------------------
+
+
+def gradient_statistics(gradients, underflow_rate) -> rule.GradientStatistics:
+    """The statistics of one gradient (or a pooled list of them)."""
+    statistics, _ = rule.statistics_of_tallies(
+        rule.tally(gradients)[tf.newaxis], underflow_rate
+    )
+    return rule.GradientStatistics(*[field[0] for field in statistics])
+
+
+def log2_histogram(gradients) -> tf.Tensor:
+    """The log2 histogram of one gradient: fractions per exponent of
+    `rule.HISTOGRAM_EXPONENTS` (zeros and non-finite elements in no bin)."""
+    _, histograms = rule.statistics_of_tallies(rule.tally(gradients)[tf.newaxis], 0.0)
+    return histograms[0]
+
+
 # --------------------------------------------------------------------------
 # gradient_statistics
 # --------------------------------------------------------------------------
@@ -174,14 +196,14 @@ def test_pow2_accepts_int64_exponents(run):
 def _statistics_at_rates(run, gradients, rates):
     """gradient_statistics of `gradients` at each rate, in one traced call."""
     return run(
-        lambda g: [rule.gradient_statistics(g, rate) for rate in rates],
+        lambda g: [gradient_statistics(g, rate) for rate in rates],
         gradients,
     )
 
 
 def test_statistics_all_zero(run):
     outputs = run(
-        lambda a, b: [rule.gradient_statistics(g, 0.01) for g in (a, b)],
+        lambda a, b: [gradient_statistics(g, 0.01) for g in (a, b)],
         tf.zeros([4, 2], tf.float16),
         tf.zeros([8], tf.float32),
     )
@@ -327,7 +349,7 @@ def test_statistics_percentile_index_just_below_an_integer(run):
 def test_statistics_underflow_rate_as_a_tensor(run):
     # MIXED at rate 0.5: floor(0.5 * 4) = 2 -> 3 (see MIXED_PERCENTILES).
     stats = run(
-        lambda g, rate: rule.gradient_statistics(g, rate),
+        lambda g, rate: gradient_statistics(g, rate),
         f32(MIXED),
         tf.constant(0.5, tf.float32),
     )
@@ -338,7 +360,7 @@ def _amax_of_each(run, rows):
     """amax of each row, as float16 and as float32, in one traced call."""
     tensors = [tf.constant(v, d) for v in rows for d in (tf.float16, tf.float32)]
     outputs = run(
-        lambda gs: [rule.gradient_statistics(g, 0.01).amax for g in gs], tensors
+        lambda gs: [gradient_statistics(g, 0.01).amax for g in gs], tensors
     )
     return [(t.dtype.name, o) for t, o in zip(tensors, outputs)]
 
@@ -378,8 +400,8 @@ def test_statistics_pools_a_list_of_dtypes(run):
 
     def fn(x, y):
         # Both orders, and a tuple as well as a list.
-        return [rule.gradient_statistics([x, y], r) for r in rates] + [
-            rule.gradient_statistics((y, x), r) for r in rates
+        return [gradient_statistics([x, y], r) for r in rates] + [
+            gradient_statistics((y, x), r) for r in rates
         ]
 
     outputs = run(fn, f16(POOL_F16), f32(POOL_F32))
@@ -401,43 +423,44 @@ def test_statistics_single_element(run):
 
 
 # --------------------------------------------------------------------------
-# choose_scale
+# the per-step rule: scale_within(amax, headroom(margin, backoff), ...)
 # --------------------------------------------------------------------------
 #
-# Rule (rule module docstring): with a = amax * backoff,
-# k_cap = largest k with a * 2**k * margin <= 65504;
+# Rule (rule module docstring), as the backward pass composes it: with
+# a = amax * backoff, k_cap = largest k with a * 2**k * margin <= 65504;
 # s = 2**clip(k_cap, -log2(inherited), log2(max_layer_scale));
-# s = current if amax == 0 or amax is not finite.
-# Defaults below: margin 2**12, ceiling 2**15, backoff 1, current 64.
+# s = 1 if amax is 0 or NaN (the point then neither lifts nor gives back).
+# Defaults below: margin 2**12, ceiling 2**15, backoff 1.
 
 
-def _stats_like(amax):
-    zero = tf.zeros_like(amax)
-    return rule.GradientStatistics(zero, amax, zero, zero, zero)
+def choose(amax, max_layer_scale, margin, backoff=1.0, inherited=1.0):
+    """The scale a point chooses, composed exactly as `Backward._scale`
+    composes the rule's functions (`headroom` once per pass, then
+    `scale_within` per point)."""
+    return rule.scale_within(
+        amax, rule.headroom(margin, backoff), max_layer_scale, inherited
+    )
 
 
 def _choose_table(run, rows):
-    """rows: dicts with amax, expected and optionally current,
-    max_layer_scale, margin, backoff, inherited (Python floats, passed as
-    constants);
-    amax and current are passed as tensors. One traced call for all."""
+    """rows: dicts with amax, expected and optionally max_layer_scale,
+    margin, backoff, inherited (Python floats, passed as constants); amax
+    is passed as a tensor. One traced call for all."""
 
-    def fn(amaxes, currents):
+    def fn(amaxes):
         return [
-            rule.choose_scale(
-                _stats_like(amax),
-                current,
+            choose(
+                amax,
                 row.get("max_layer_scale", 2.0**15),
                 row.get("margin", 2.0**12),
                 row.get("backoff", 1.0),
                 row.get("inherited", 1.0),
             )
-            for row, amax, current in zip(rows, amaxes, currents)
+            for row, amax in zip(rows, amaxes)
         ]
 
     amaxes = [tf.constant(row["amax"], tf.float32) for row in rows]
-    currents = [tf.constant(row.get("current", 64.0), tf.float32) for row in rows]
-    outputs = run(fn, amaxes, currents)
+    outputs = run(fn, amaxes)
     for row, out in zip(rows, outputs):
         assert_exact(out, row["expected"], what=row)
 
@@ -489,7 +512,7 @@ def test_choose_scale_clips_to_one_and_the_ceiling(run):
             dict(amax=16.0, expected=1.0),
             dict(amax=F16_MAX, expected=1.0),
             dict(amax=1e30, expected=1.0),
-            # amax * margin overflows float32 to inf: still 1, not current.
+            # amax * margin overflows float32 to inf: still 1.
             dict(amax=3e38, expected=1.0),
             # The smallest normal float32, far below any float16:
             # 2**-126 * 2**(k+12) <= 65504 -> k = 129; clipped.
@@ -520,9 +543,11 @@ def test_choose_scale_gives_back_inherited_lift(run):
             dict(amax=next_up(F16_MAX / 2**12), inherited=64.0, expected=0.5),
             # Back-off counts as before: 16 * 2 * 2**(k+12) -> k = -2.
             dict(amax=16.0, backoff=2.0, inherited=64.0, expected=0.25),
-            # Unusable gradients keep the current scale.
-            dict(amax=float("nan"), inherited=64.0, current=0.5, expected=0.5),
-            dict(amax=0.0, inherited=64.0, current=0.25, expected=0.25),
+            # No information (all zero, NaN): neutral, 1. An inf amax gives
+            # back all the lift (the step is skipped and the choice not kept).
+            dict(amax=float("nan"), inherited=64.0, expected=1.0),
+            dict(amax=0.0, inherited=64.0, expected=1.0),
+            dict(amax=INF, inherited=64.0, expected=2.0**-6),
         ],
     )
 
@@ -564,18 +589,20 @@ def test_choose_scale_backoff(run):
             dict(amax=1.0, backoff=3.0, margin=1.0, expected=2.0**14),
             # Still clipped to the ceiling: 2**-40 * 2**10 -> k = 33.
             dict(amax=2.0**-40, backoff=2.0**10, expected=2.0**15),
-            # Unusable amax stays unusable whatever the backoff.
-            dict(amax=0.0, backoff=8.0, current=2.0**9, expected=2.0**9),
-            dict(amax=INF, backoff=8.0, current=2.0**9, expected=2.0**9),
+            # No information stays neutral whatever the backoff.
+            dict(amax=0.0, backoff=8.0, expected=1.0),
+            dict(amax=NAN, backoff=8.0, expected=1.0),
+            dict(amax=INF, backoff=8.0, expected=1.0),
         ],
     )
 
 
 def test_choose_scale_accepts_tensor_knobs(run):
     # amax 2**-10, margin 2**12, ceiling 2**15 -> 2**13 (as above); with
-    # ceiling 2**10 -> 2**10.
-    def fn(amax, current, ceiling, margin):
-        return rule.choose_scale(_stats_like(amax), current, ceiling, margin)
+    # ceiling 2**10 -> 2**10. Backoff and T_out come from variables in
+    # training: tensors too.
+    def fn(amax, backoff, ceiling, margin):
+        return choose(amax, ceiling, margin, backoff, tf.constant(1.0))
 
     args = [tf.constant(v, tf.float32) for v in (2.0**-10, 1.0, 2.0**15, 2.0**12)]
     assert_exact(run(fn, *args), 2.0**13)
@@ -583,25 +610,27 @@ def test_choose_scale_accepts_tensor_knobs(run):
     assert_exact(run(fn, *args), 2.0**10)
 
 
-def test_choose_scale_keeps_current_when_unusable(run):
-    # No information (all zero) or an unusable one (not finite): keep the
-    # current scale, whatever it is.
+def test_choose_scale_is_neutral_without_information(run):
+    # All zero or NaN: 1, whatever the knobs; the paper's rule, which keeps
+    # a scale between updates, keeps its current one instead (below).
     _choose_table(
         run,
         [
-            dict(amax=amax, current=current, expected=current)
-            for amax in (0.0, INF, NAN)
-            for current in (1.0, 2.0**9, 2.0**15)
+            dict(amax=amax, max_layer_scale=ceiling, margin=margin, expected=1.0)
+            for amax in (0.0, NAN)
+            for ceiling in (1.0, 2.0**9, 2.0**15)
+            for margin in (1.0, 2.0**12)
         ],
     )
 
 
 def test_choose_scale_from_gradients(run):
-    # End to end on tensors, margin 2**12, ceiling 2**15, current 2**9.
+    # End to end on tensors, as a point runs it (`amax_of` first), margin
+    # 2**12, ceiling 2**15.
     cases = [
-        ("all zero: keep", [0.0] * 4, 2.0**9),
-        ("inf: keep", [1.0, INF, 0.0, 2.0], 2.0**9),
-        ("nan: keep", [1.0, NAN, 0.0, 2.0], 2.0**9),
+        ("all zero: neutral", [0.0] * 4, 1.0),
+        ("inf: T_in = 1", [1.0, INF, 0.0, 2.0], 1.0),
+        ("nan: neutral", [1.0, NAN, 0.0, 2.0], 1.0),
         # Subnormal only, amax 2**-16: 2**(k-4) <= 65504 -> k = 19 -> 2**15.
         ("subnormal only", SUBNORMALS, 2.0**15),
         # amax 65504 -> k = -12 -> 1; amax 32752 -> k = -11 -> 1.
@@ -612,70 +641,11 @@ def test_choose_scale_from_gradients(run):
     ]
 
     def fn(gradients):
-        return [
-            rule.choose_scale(
-                rule.gradient_statistics(g, 0.01), 2.0**9, 2.0**15, 2.0**12
-            )
-            for g in gradients
-        ]
+        return [choose(rule.amax_of(g), 2.0**15, 2.0**12) for g in gradients]
 
     outputs = run(fn, [f16(values) for _, values, _ in cases])
     for (what, _, expected), out in zip(cases, outputs):
         assert_exact(out, expected, what=what)
-
-
-# --------------------------------------------------------------------------
-# lifts_percentile
-# --------------------------------------------------------------------------
-
-
-def test_lifts_percentile(run):
-    cases = [
-        (0.0, 1.0, True),  # nothing to lift
-        (2.0**-20, 2.0**6, True),  # 2**-14 exactly: the smallest normal
-        (2.0**-20, 2.0**5, False),  # 2**-15: subnormal
-        (2.0**-20, 2.0**15, True),
-        (F16_MIN_NORMAL, 1.0, True),
-        (next_down(F16_MIN_NORMAL), 1.0, False),
-        (F16_MIN_SUBNORMAL, 2.0**9, False),  # 2**-15
-        (F16_MIN_SUBNORMAL, 2.0**10, True),  # 2**-14
-        (1.0, 1.0, True),
-    ]
-
-    def fn(qs, scales):
-        return [
-            rule.lifts_percentile(_stats_like(tf.zeros([]))._replace(percentile=q), s)
-            for q, s in zip(qs, scales)
-        ]
-
-    outputs = run(
-        fn,
-        [tf.constant(q, tf.float32) for q, _, _ in cases],
-        [tf.constant(s, tf.float32) for _, s, _ in cases],
-    )
-    for (q, s, expected), out in zip(cases, outputs):
-        assert_exact(out, expected, np.bool_, what=(q, s))
-
-
-def test_lifts_percentile_reports_what_the_cap_cannot_lift(run):
-    def fn(gradients):
-        outputs = []
-        for g in gradients:
-            stats = rule.gradient_statistics(g, 0.0)
-            scale = rule.choose_scale(stats, 1.0, 2.0**15, 2.0**12)
-            outputs.append((scale, rule.lifts_percentile(stats, scale)))
-        return outputs
-
-    [(scale_a, lifted_a), (scale_b, lifted_b)] = run(
-        fn, [f32([2.0**-24, 1000.0, 0.0, 1.0]), f16(SUBNORMALS)]
-    )
-    # amax 1000: 1000 * 2**(k+12) <= 65504 -> 2**(k+12) <= 65.5 -> k = -6 ->
-    # clipped to 1; q = 2**-24 stays subnormal: underflow reported.
-    assert_exact(scale_a, 1.0)
-    assert_exact(lifted_a, False, np.bool_)
-    # Subnormal only: q = 2**-20 (rate 0: the smallest), s = 2**15 -> 2**-5.
-    assert_exact(scale_b, 2.0**15)
-    assert_exact(lifted_b, True, np.bool_)
 
 
 # --------------------------------------------------------------------------
@@ -730,8 +700,8 @@ def test_statistics_of_tallies_keeps_rows_apart(run):
             tf.stack([rule.tally(g) for g in gs]), 0.5
         )
         return stats, histograms, [
-            rule.gradient_statistics(g, 0.5) for g in gs
-        ], [rule.log2_histogram(g) for g in gs]
+            gradient_statistics(g, 0.5) for g in gs
+        ], [log2_histogram(g) for g in gs]
 
     stats, histograms, alone, alone_histograms = run(fn, gradients)
     for i, (what, _) in enumerate(TALLY_CASES):
@@ -745,21 +715,20 @@ def _stats_vector(stats):
 
 
 def test_tally_then_choose_with_knobs(run):
-    # The steps chained as a scale update chains them, ceiling 2**10,
-    # margin 2**4: amax 3 -> 3 * 2**(k+4) <= 65504 -> k = 10, at the
-    # ceiling -> 2**10.
+    # The telemetry's amax (from the tally) chooses what the point's own
+    # amax chooses, ceiling 2**10, margin 2**4: amax 3 -> 3 * 2**(k+4) <=
+    # 65504 -> k = 10, at the ceiling -> 2**10.
     def fn(g):
         stats, _ = rule.statistics_of_tallies(rule.tally([g])[tf.newaxis], 0.01)
-        return rule.choose_scale(
-            rule.GradientStatistics(*[field[0] for field in stats]),
-            tf.constant(8.0),
-            tf.constant(2.0**10),
-            tf.constant(2.0**4),
-            tf.constant(1.0),
+        return (
+            choose(stats.amax[0], tf.constant(2.0**10), tf.constant(2.0**4)),
+            choose(rule.amax_of(g), tf.constant(2.0**10), tf.constant(2.0**4)),
         )
 
     g = f16([[3.0, -1.0], [0.0, 2.0**-20]])
-    assert_exact(run(fn, g), 2.0**10)
+    from_tally, from_amax = run(fn, g)
+    assert_exact(from_tally, 2.0**10)
+    assert_exact(from_amax, 2.0**10)
 
 
 # --------------------------------------------------------------------------
@@ -776,7 +745,7 @@ def test_log2_histogram(run):
     expected = np.zeros([len(rule.HISTOGRAM_EXPONENTS)], np.float32)
     for exponent, fraction in [(0, 0.2), (-1, 0.1), (-20, 0.1), (-24, 0.1), (15, 0.2)]:
         expected[rule.HISTOGRAM_EXPONENTS.index(exponent)] = fraction
-    assert_exact(run(rule.log2_histogram, g), expected)
+    assert_exact(run(log2_histogram, g), expected)
 
 
 def test_log2_histogram_of_float16_subnormals(run):
@@ -786,7 +755,7 @@ def test_log2_histogram_of_float16_subnormals(run):
     expected = np.zeros([len(rule.HISTOGRAM_EXPONENTS)], np.float32)
     for exponent in (-24, -23, -15):
         expected[rule.HISTOGRAM_EXPONENTS.index(exponent)] = 0.25
-    assert_exact(run(rule.log2_histogram, g), expected)
+    assert_exact(run(log2_histogram, g), expected)
 
 
 # --------------------------------------------------------------------------
@@ -812,7 +781,7 @@ def test_percentile_is_the_exact_quantile_rounded_down(run, rate):
     values = np.exp2(rng.normal(-6.0, 6.0, size=(300, 257))).astype(np.float16)
     values[rng.random(values.shape) < 0.33] = 0.0
     values *= rng.choice([-1.0, 1.0], size=values.shape).astype(np.float16)
-    stats = run(lambda g: rule.gradient_statistics(g, rate), tf.constant(values))
+    stats = run(lambda g: gradient_statistics(g, rate), tf.constant(values))
     assert_exact(stats.percentile, power_of_two_below(_exact_quantile(values, rate)))
 
 
@@ -833,7 +802,7 @@ def test_percentile_on_real_gradients(mixed):
         g = tf.convert_to_tensor(g)
         if not np.any(np.asarray(g)):
             continue
-        stats = rule.gradient_statistics(g, 0.01)
+        stats = gradient_statistics(g, 0.01)
         expected = power_of_two_below(_exact_quantile(np.asarray(g), 0.01))
         assert float(stats.percentile) == expected, variable.path
         checked += 1
@@ -841,66 +810,7 @@ def test_percentile_on_real_gradients(mixed):
 
 
 # --------------------------------------------------------------------------
-# shift_tallies: the tally of a gradient times a power of two
-# --------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("exponent", [-3, 0, 2, 9, 20])
-def test_shift_tallies_equals_tallying_the_scaled_gradient(run, exponent):
-    """A float32 gradient with magnitudes from 2**-20 to 2**5 (and zeros):
-    tallying the gradient times 2**k and shifting its tally by 2**k agree
-    bitwise, and so do the statistics at every rate derived from them."""
-    rng = np.random.default_rng(3)
-    values = np.exp2(rng.uniform(-20.0, 5.0, size=256)).astype(np.float32)
-    values[rng.random(256) < 0.25] = 0.0
-    g = tf.constant(values)
-    factor = tf.constant([2.0**exponent])
-
-    def fn(g, f):
-        shifted = rule.shift_tallies(rule.tally(g)[tf.newaxis], f)
-        direct = rule.tally(g * f[0])[tf.newaxis]
-        return shifted, direct, [
-            rule.statistics_of_tallies(t, rate)
-            for t in (shifted, direct)
-            for rate in (0.0, 0.01, 0.5)
-        ]
-
-    shifted, direct, statistics = run(fn, g, factor)
-    assert_exact(shifted, direct, what=exponent)
-    for a, b in zip(statistics[:3], statistics[3:]):
-        for x, y in zip(tf.nest.flatten(a), tf.nest.flatten(b)):
-            assert_exact(x, y, what=exponent)
-
-
-def test_shift_tallies_keeps_non_finite_zeros_and_range_ends(run):
-    """inf, NaN and zeros stay where they are; a factor of 1 returns the
-    row unchanged; counts moved past float32's normal range stay at its
-    ends (nothing is lost); each row moves by its own factor."""
-    g = f32([INF, 1.0, 0.0, 2.0**-24, NAN, 2.0**100, 2.0**-100])
-    factors = tf.constant([1.0, 2.0**20, 2.0**40, 2.0**-40])
-    tallied, shifted = run(
-        lambda g, f: (
-            rule.tally(g),
-            rule.shift_tallies(tf.stack([rule.tally(g)] * 4), f),
-        ),
-        g,
-        factors,
-    )
-    assert_exact(shifted[0], tallied)
-    for row in shifted[1:]:
-        assert np.isnan(row[0])  # NaN amax stays NaN
-        assert row[1] == 1.0 and row[256] == 2.0  # the zero; inf and NaN
-        assert row[1:].sum() == 7.0
-    counts = shifted[1, 1:]
-    for exponent in (20, -4, 120, -80):  # 1, 2**-24, 2**100, 2**-100 times 2**20
-        assert counts[exponent + 127] == 1.0, exponent
-    assert shifted[2, 1 + 254] == 1.0  # 2**100 * 2**40 stops at 2**127
-    assert shifted[3, 1 + 1] == 1.0  # 2**-100 * 2**-40 stops at 2**-126
-    assert shifted[3, 1 + 127 - 64] == 1.0  # 2**-24 * 2**-40 = 2**-64
-
-
-# --------------------------------------------------------------------------
-# choose_scale_from_amax: the per-step rule, against exact arithmetic
+# the per-step rule, against exact arithmetic
 # --------------------------------------------------------------------------
 
 
@@ -917,7 +827,7 @@ def _exact_scale(amax, ceiling, margin, backoff, inherited):
     return 2.0**k
 
 
-def test_choose_scale_from_amax_is_exact_at_every_boundary(run):
+def test_the_per_step_rule_is_exact_at_every_boundary(run):
     """The quotient 65504 / reach is rounded in float32; the rule checks and
     halves, so the scale is exact for amaxes whose mantissas sit on either
     side of each boundary (65504 / 2**j, one ulp up and down), over the
@@ -935,7 +845,7 @@ def test_choose_scale_from_amax_is_exact_at_every_boundary(run):
 
     def fn(amax):
         return [
-            rule.choose_scale_from_amax(amax[i], 1.0, 2.0**15, 2.0**12, b, t)
+            choose(amax[i], 2.0**15, 2.0**12, b, t)
             for i, (b, t) in enumerate(rows)
         ]
 

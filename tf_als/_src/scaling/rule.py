@@ -5,15 +5,23 @@ Everything here is a function of tensors with no variables and no Keras, so it
 is tested on crafted tensors without `fit()`.
 
 The rule, for the gradient `g` that arrives at a scaling point (already
-carrying the global scale S and the downstream per-layer scales):
+carrying the global scale S and the downstream per-layer scales T_out),
+on every step, inside the point's gradient function:
 
-    q     = underflow_rate-quantile of the nonzero |g|, rounded down to a
-            power of two (exact for the test below; from exponent counts)
-    amax  = max |g| * max(1, S_initial / S)
-    k_cap = largest k with  amax * 2**k * overflow_margin <= FLOAT16_MAX
-    s     = 2 ** clip(k_cap, -log2(T_out), log2(max_layer_scale))
-    s     = previous s   if g is all zero or not finite
-    underflow reported   if q * s < FLOAT16_MIN_NORMAL
+    amax  = max |g|                                     (`amax_of`)
+    limit = FLOAT16_MAX / (overflow_margin * max(1, S_initial / S))
+                                                        (`headroom`, once per pass)
+    s     = largest power of two with amax * s <= limit, clipped to
+            [1 / T_out, max_layer_scale]; 1 if g is all zero or NaN
+                                                        (`scale_within`)
+
+These three functions are what the backward pass calls
+(`tf_als/_src/training/backward.py`, `Backward._scale`) and what the tests
+of `tests/scaling/test_rule.py` exercise. The paper's rule
+(`choose_scale_paper`, every `update_interval` steps) aims at the
+`underflow_rate`-quantile q of the nonzero |g| instead, under the same cap.
+Underflow is reported (on telemetry steps, from a sample of g) as the share
+of g left below FLOAT16_MIN_NORMAL after s.
 
 amax is judged as if the global scale S had not backed off below its initial
 value. Otherwise a per-layer scale would undo every back-off (a lower S
@@ -89,27 +97,6 @@ class GradientStatistics(NamedTuple):
     near_max_fraction: tf.Tensor
 
 
-def gradient_statistics(gradients, underflow_rate) -> GradientStatistics:
-    """Measures a gradient (or several, pooled) in float32.
-
-    Args:
-        gradients: a tensor or a list of tensors of any float dtype; their
-            elements are pooled.
-        underflow_rate: float in [0, 1) (or a scalar tensor). Which quantile
-            of the nonzero magnitudes to report as `percentile`.
-
-    Returns:
-        A `GradientStatistics`.
-
-    Example:
-
-    >>> g = tf.constant([0.0, 1.0, 2.0, 3.0, 4.0], tf.float16)
-    >>> s = gradient_statistics(g, underflow_rate=0.5)
-    >>> float(s.percentile), float(s.amax), round(float(s.zero_fraction), 6)
-    (2.0, 4.0, 0.2)
-    """
-    statistics, _ = statistics_of_tallies(tally(gradients)[tf.newaxis], underflow_rate)
-    return GradientStatistics(*[field[0] for field in statistics])
 
 
 def nan_max(values, axis=None) -> tf.Tensor:
@@ -128,75 +115,8 @@ def nan_max(values, axis=None) -> tf.Tensor:
     )
 
 
-def choose_scale(
-    statistics: GradientStatistics,
-    current_scale,
-    max_layer_scale,
-    overflow_margin,
-    backoff=1.0,
-    inherited=1.0,
-) -> tf.Tensor:
-    """Returns the new per-layer scale (float32, a power of two).
-
-    Args:
-        statistics: `GradientStatistics` of the incoming gradient.
-        current_scale: float32 scalar, the scale in use; kept when the
-            gradient is all zero or not finite.
-        max_layer_scale: float (or float32 scalar tensor), a power of two in
-            [1, 2**15]; the ceiling.
-        overflow_margin: float (or float32 scalar tensor), a power of two
-            >= 1; the headroom kept between the scaled gradient's amax and
-            float16's maximum.
-        backoff: float32 scalar >= 1, how far the global loss scale has
-            backed off below its initial value (initial / current, or 1).
-            amax is judged as if that back-off had not happened, so that a
-            per-layer scale never undoes it: when gradients overflow
-            somewhere, halving the global scale halves them everywhere.
-        inherited: float32 scalar, a power of two >= 1: T_out, the lift the
-            gradient already carries from the points downstream. The scale
-            goes no lower than 1 / inherited, so that T_in >= 1.
-
-    Example (amax 2**-10, margin 2**12: the cap is 2**(15 + 10 - 12)):
-
-    >>> stats = gradient_statistics(tf.constant([2.0**-10]), 0.01)
-    >>> float(choose_scale(stats, 1.0, 2.0**15, 2.0**12))
-    8192.0
-
-    An amax of 2**4 allows k = -1; inherited lift 2**6 lets the point give
-    that much back, and no inherited lift keeps 1:
-
-    >>> stats = gradient_statistics(tf.constant([16.0]), 0.01)
-    >>> float(choose_scale(stats, 1.0, 2.0**15, 2.0**12, inherited=64.0))
-    0.5
-    >>> float(choose_scale(stats, 1.0, 2.0**15, 2.0**12))
-    1.0
-    """
-    return choose_scale_from_amax(
-        statistics.amax, current_scale, max_layer_scale, overflow_margin,
-        backoff, inherited,
-    )
 
 
-def choose_scale_from_amax(
-    amax, current_scale, max_layer_scale, overflow_margin, backoff=1.0, inherited=1.0
-) -> tf.Tensor:
-    """`choose_scale` from the one statistic it reads, the incoming
-    gradient's amax (elementwise: any shape).
-
-    This is what every scaling point runs on every step, inside its
-    gradient function (`current_scale` 1: a gradient that is all zero or
-    not finite gets the neutral scale), as `scale_within(amax,
-    headroom(overflow_margin, backoff), ...)`.
-
-    >>> float(choose_scale_from_amax(tf.constant(2.0**-10), 1.0, 2.0**15, 2.0**12))
-    8192.0
-    """
-    scale = scale_within(
-        amax, headroom(overflow_margin, backoff), max_layer_scale, inherited
-    )
-    return tf.where(
-        usable_amax(amax, backoff), scale, tf.cast(current_scale, tf.float32)
-    )
 
 
 def headroom(overflow_margin, backoff=1.0) -> tf.Tensor:
@@ -323,7 +243,7 @@ def choose_scale_paper(
     """The ALS paper's per-layer scale (float32, a power of two): the
     reciprocal of the `underflow_rate` quantile of the incoming gradient's
     nonzero magnitudes, rounded down to a power of two, then capped as
-    `choose_scale_from_amax` caps (never above what safety allows for the
+    the default rule caps (never above what safety allows for the
     gradient's amax, within [1 / inherited, max_layer_scale]). Kept at
     `current_scale` when every element is zero or one is not finite.
 
@@ -424,28 +344,8 @@ def usable_amax(amax, backoff=1.0) -> tf.Tensor:
     return tf.logical_and(amax > 0.0, tf.math.is_finite(amax))
 
 
-def lifts_percentile(statistics: GradientStatistics, scale) -> tf.Tensor:
-    """True when `scale` lifts the measured percentile to a normal float16
-    (or when there is nothing to lift); False reports residual underflow."""
-    scaled = statistics.percentile * tf.cast(scale, tf.float32)
-    return tf.logical_or(
-        statistics.percentile <= 0.0, scaled >= FLOAT16_MIN_NORMAL
-    )
 
 
-def log2_histogram(gradients) -> tf.Tensor:
-    """Fraction of all elements of `gradients` (pooled) whose magnitude has
-    each binary exponent in `HISTOGRAM_EXPONENTS`: bin i counts the nonzero
-    finite magnitudes in [2**e, 2**(e+1)), e = HISTOGRAM_EXPONENTS[i]; the
-    end bins also take the (float32) magnitudes beyond them. Zeros and
-    non-finite elements are in no bin.
-
-    >>> log2_histogram(tf.constant([0.0, 1.0, 1.5, 2.0**-20], tf.float16)).numpy()[
-    ...     [4, 24]]
-    array([0.25, 0.5 ], dtype=float32)
-    """
-    _, histograms = statistics_of_tallies(tally(gradients)[tf.newaxis], 0.0)
-    return histograms[0]
 
 
 # -- tallies: the telemetry of a scaling point's sample ----------------------
@@ -556,7 +456,7 @@ def telemetry_tally(gradients, amax) -> tf.Tensor:
 def statistics_of_tallies(tallies, underflow_rate) -> tuple:
     """`(GradientStatistics, histograms)` of every row of `tallies`
     ([points, TALLY_SIZE]): each field of the statistics a [points] tensor,
-    the `log2_histogram`s [points, len(HISTOGRAM_EXPONENTS)]. One pass over
+    the log2 histograms [points, len(HISTOGRAM_EXPONENTS)]. One pass over
     the rows, no sort: the percentile is the lower edge of the exponent bin
     that holds the element of rank floor(rate * (nonzero - 1)).
 
@@ -607,7 +507,7 @@ def _percentile(counts, nonzero, underflow_rate):
 
 
 def _histograms(counts, size):
-    """`log2_histogram`s from exponent-field counts ([points, 256]): the
+    """Log2 histograms from exponent-field counts ([points, 256]): the
     fraction of all elements per exponent in `HISTOGRAM_EXPONENTS`, the end
     bins taking the float32 exponents beyond them; zeros and non-finite
     elements in no bin."""
@@ -624,47 +524,6 @@ def _histograms(counts, size):
     return bins / size[:, tf.newaxis]
 
 
-def shift_tallies(tallies, factors) -> tf.Tensor:
-    """The tallies ([points, TALLY_SIZE]) the same gradients would give
-    multiplied by `factors` ([points], powers of two): what a point's
-    incoming gradient becomes when the scales downstream of it change. amax
-    is multiplied (exact); every finite nonzero count moves by log2(factor)
-    exponents, those that would leave float32's normal range staying at its
-    end; zeros and non-finite elements stay. A factor of 1 returns the row
-    unchanged.
-
-    >>> t = tally(tf.constant([2.0**-16, 1.0, 0.0], tf.float16))
-    >>> shifted = shift_tallies(t[tf.newaxis], tf.constant([4.0]))
-    >>> stats, _ = statistics_of_tallies(shifted, 0.0)
-    >>> float(stats.percentile[0]), float(stats.amax[0]), float(stats.subnormal_fraction[0])
-    (6.103515625e-05, 4.0, 0.0)
-    """
-    tallies = tf.convert_to_tensor(tallies, tf.float32)
-    factors = tf.cast(factors, tf.float32)
-    rows = tf.shape(tallies)[0]
-    fields = tf.range(_EXPONENT_FIELDS)
-    finite = tf.logical_and(fields > 0, fields < _NON_FINITE_FIELD)
-    moved_to = tf.where(
-        finite[tf.newaxis],
-        tf.clip_by_value(
-            fields[tf.newaxis] + _pow2.floor_log2(factors)[:, tf.newaxis],
-            1,
-            _NON_FINITE_FIELD - 1,
-        ),
-        fields[tf.newaxis],
-    )
-    # One segment sum over all rows: row r's fields are segments r * 256 + i.
-    segments = moved_to + (tf.range(rows) * _EXPONENT_FIELDS)[:, tf.newaxis]
-    moved = tf.reshape(
-        tf.math.unsorted_segment_sum(
-            tf.reshape(tallies[:, 1:], [-1]),
-            tf.reshape(segments, [-1]),
-            rows * _EXPONENT_FIELDS,
-        ),
-        [rows, _EXPONENT_FIELDS],
-    )
-    shifted = tf.concat([(tallies[:, 0] * factors)[:, tf.newaxis], moved], 1)
-    return tf.where(tf.equal(factors, 1.0)[:, tf.newaxis], tallies, shifted)
 
 
 def _as_float64(value):

@@ -14,8 +14,8 @@ same multiply where a variable's whole gradient is one call's product
 (`unscaled`).
 
 Each point chooses its scale inside its gradient function, from the
-gradient it is about to scale (`rule.choose_scale_from_amax`, with
-the knobs of the model's `config.ScalingConfig` and the global
+gradient it is about to scale (`rule.amax_of`, `rule.headroom` once per
+pass, `rule.scale_within`: the rule's own functions, with the knobs of the model's `config.ScalingConfig` and the global
 scale's back-off from its state): one max-reduction and a few scalar ops
 per point, no branch, and no variable written. What it chose and a sample
 of what it saw go to the model's `pass_record.PassRecord`, which the

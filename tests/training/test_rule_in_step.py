@@ -1,0 +1,112 @@
+"""The rule that runs is the rule that is tested.
+
+A compiled training step of an instrumented model chooses every point's
+scale through `rule.amax_of`, `rule.headroom` and `rule.scale_within`, the
+functions tests/scaling/test_rule.py checks on crafted tensors, and the
+scales it applies and writes are exactly what those functions give for
+the amax and the inherited lift T_out each point measured in that step.
+(`tests/test_structure.py` checks the same statically: every public
+function of the rule is called from the library.)
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_als
+from tf_als._src.scaling import rule
+
+RULE_FUNCTIONS = ("amax_of", "headroom", "scale_within")
+
+
+def _model():
+    """Four float16 Dense layers and a float32 head: five scaling points.
+    With targets near 1e-3 and S = 1 the incoming gradients are small and
+    differ from layer to layer, so the points lift, by different powers
+    of two."""
+    inputs = keras.Input((16,))
+    x = inputs
+    for i in range(4):
+        x = keras.layers.Dense(32, activation="tanh", name=f"dense_{i}")(x)
+    outputs = keras.layers.Dense(4, dtype="float32", name="head")(x)
+    return keras.Model(inputs, outputs)
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 16)).astype("float32")
+    y = (1e-3 * rng.normal(size=(32, 4))).astype("float32")
+    return tf.constant(x), tf.constant(y)
+
+
+def _spy(monkeypatch):
+    """Counts the calls of the rule's per-step functions (while tracing:
+    a `tf.function` calls Python once per trace)."""
+    calls = {name: 0 for name in RULE_FUNCTIONS}
+    for name in RULE_FUNCTIONS:
+        original = getattr(rule, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(rule, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+def test_a_compiled_step_chooses_through_the_tested_rule(mixed, monkeypatch, jit_compile):
+    calls = _spy(monkeypatch)
+    model = tf_als.instrument(_model())
+    optimizer = tf_als.AdaptiveLossScaleOptimizer(
+        keras.optimizers.SGD(1e-3), initial_scale=1.0
+    )
+    config = optimizer.scaling_config
+    x, y = _data()
+    variables = model.trainable_variables
+    optimizer.build(variables)
+
+    @tf.function(jit_compile=jit_compile)
+    def step():
+        with tf.GradientTape() as tape:
+            loss = keras.ops.mean(keras.ops.square(model(x, training=True) - y))
+            scaled = optimizer.scale_loss(loss)
+        optimizer.apply(tape.gradient(scaled, variables), variables)
+        records = model.pass_record.latest()
+        return [
+            (records[p].scale, records[p].scale_out, records[p].amax)
+            for p in sorted(records)
+        ], tf.convert_to_tensor(model.scaling_state.backoff)
+
+    chosen, backoff = step()
+    points = len(model.scaling_points)
+    assert len(chosen) == points == 5
+    # Traced once: every point read its amax and chose through scale_within
+    # (amax_of also measures the float16 outputs' forward headroom: more
+    # calls than points); the headroom was computed once for the pass.
+    assert calls["amax_of"] >= points
+    assert calls["scale_within"] == points
+    assert calls["headroom"] == 1
+
+    # What the rule's functions give, eagerly, for what each point saw.
+    limit = rule.headroom(config.overflow_margin, backoff)
+    expected = [
+        float(rule.scale_within(amax, limit, config.max_layer_scale, scale_out))
+        for _, scale_out, amax in chosen
+    ]
+    applied = [float(scale) for scale, _, _ in chosen]
+    assert applied == expected
+    # The comparison is not vacuous: the points chose more than one scale,
+    # and at least one is not the neutral 1.
+    assert len(set(applied)) > 1 and any(s != 1.0 for s in applied), applied
+    # The state holds what the step applied (the gradients were finite).
+    assert bool(optimizer.check_finite(tape_free_gradients(variables)))
+    written = model.scaling_state.scales.numpy().tolist()
+    assert written == applied
+
+
+def tape_free_gradients(variables):
+    """Zero gradients of `variables`: `check_finite` of a finite list, to
+    state the premise that the step above was applied, not skipped."""
+    return [tf.zeros_like(v) for v in variables]
