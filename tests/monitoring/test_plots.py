@@ -66,3 +66,50 @@ def test_plot_errors(tmp_path):
         plots.plot_history(3, str(tmp_path / "x.png"))
     with pytest.raises(FileNotFoundError):
         plots.plot_history(str(tmp_path / "missing"), str(tmp_path / "x.png"))
+
+
+def _coloured_pixels(path, rows):
+    """How many pixels in the fraction `rows` (a slice of 0..1) of the
+    image's height are clearly coloured (not white, grey or black)."""
+    import matplotlib.image
+
+    pixels = (matplotlib.image.imread(path)[..., :3] * 255).astype(int)
+    height = pixels.shape[0]
+    band = pixels[int(rows.start * height) : int(rows.stop * height)]
+    return int(np.sum(band.max(axis=-1) - band.min(axis=-1) > 80))
+
+
+def _one_update(points):
+    return {
+        "step": [0],
+        "points": {
+            f"layer_{i}": {"scale": [2.0**i], "zero_fraction": [i / points]}
+            for i in range(points)
+        },
+    }
+
+
+@pytest.mark.parametrize("points", [1, 13])  # with a legend, and without
+def test_one_update_draws_the_zero_fractions(tmp_path, points):
+    """A line through one update has no length: each value is a dot.
+    The zero-fraction panel is the lower 2/5 of the figure (below the heat
+    map's axis label); with 13 points it has no legend, so every coloured
+    pixel there is data."""
+    path = str(tmp_path / "one.png")
+    plot = plots.plot_history(_one_update(points), path, width=600, height=500)
+    assert plot.steps == (0,) and plot.zero_fractions.shape == (points, 1)
+    dots = _coloured_pixels(path, slice(0.65, 1.0))
+    # A 3-point dot at 100 dpi covers about 12 pixels; one per point.
+    assert dots >= 8 * points, dots
+
+
+def test_the_users_backend_is_left_alone(tmp_path):
+    import matplotlib
+
+    before = matplotlib.get_backend()
+    matplotlib.use("pdf")  # not Agg, so that switching to Agg would show
+    try:
+        plots.plot_history(_one_update(2), str(tmp_path / "b.png"))
+        assert matplotlib.get_backend() == "pdf"
+    finally:
+        matplotlib.use(before)

@@ -56,10 +56,8 @@ def plot_history(source, path, *, width=1000, height=700, dpi=100) -> ScalePlot:
     ```
     """
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
     except ImportError as error:  # pragma: no cover - depends on the install
         raise ImportError(
             "tf_als.plots needs matplotlib: pip install 'tf_als[plot]'"
@@ -74,15 +72,15 @@ def plot_history(source, path, *, width=1000, height=700, dpi=100) -> ScalePlot:
         if not isinstance(value, int) or value <= 0:
             raise ValueError(f"`{name}` must be a positive int; received {value!r}.")
 
-    figure, (top, bottom) = plt.subplots(
-        2, 1, figsize=(width / dpi, height / dpi), dpi=dpi,
-        gridspec_kw={"height_ratios": [3, 2]},
-    )
+    # Matplotlib's object API, not pyplot: the user's backend and figures
+    # are left alone.
+    figure = Figure(figsize=(width / dpi, height / dpi), dpi=dpi)
+    FigureCanvasAgg(figure)
+    top, bottom = figure.subplots(2, 1, gridspec_kw={"height_ratios": [3, 2]})
     _draw_scales(figure, top, points, steps, log2_scales)
     _draw_zero_fractions(bottom, points, steps, zero_fractions)
     figure.tight_layout()
     figure.savefig(path, dpi=dpi)
-    plt.close(figure)
     return ScalePlot(
         path=os.fspath(path),
         points=tuple(points),
@@ -96,6 +94,8 @@ def plot_history(source, path, *, width=1000, height=700, dpi=100) -> ScalePlot:
 
 def _draw_scales(figure, axes, points, steps, log2_scales):
     """The layers-by-updates heat map of log2 scale."""
+    from matplotlib import ticker
+
     image = axes.imshow(
         log2_scales, aspect="auto", interpolation="nearest", cmap="viridis"
     )
@@ -106,16 +106,30 @@ def _draw_scales(figure, axes, points, steps, log2_scales):
     axes.set_xticks(ticks)
     axes.set_xticklabels([str(steps[i]) for i in ticks])
     axes.set_xlabel("optimizer step")
-    figure.colorbar(image, ax=axes, label="log2 scale")
+    colour_bar = figure.colorbar(image, ax=axes, label="log2 scale")
+    colour_bar.locator = ticker.MaxNLocator(integer=True)  # scales are 2**k
+    colour_bar.update_ticks()
+
+
+MARKED_UPDATES = 30
+"""Up to this many updates, each value of the zero-fraction panel is also
+drawn as a dot: a line through one update has no length."""
 
 
 def _draw_zero_fractions(axes, points, steps, zero_fractions):
     """Each layer's zero fraction over the updates (a legend up to 12)."""
+    from matplotlib import ticker
+
+    marker = "o" if len(steps) <= MARKED_UPDATES else None
     for row, name in zip(zero_fractions, points):
-        axes.plot(steps, row, label=name, linewidth=1)
+        axes.plot(steps, row, label=name, linewidth=1, marker=marker, markersize=3)
     axes.set_title("fraction of exact zeros in each layer's incoming gradient")
     axes.set_xlabel("optimizer step")
     axes.set_ylabel("zero fraction")
+    if len(steps) == 1:
+        axes.set_xticks(steps)
+    else:
+        axes.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
     if len(points) <= 12:
         axes.legend(fontsize=6, ncol=2)
 
