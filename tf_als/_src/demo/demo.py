@@ -1,34 +1,40 @@
-"""The main job: one model trained three ways on a real dataset.
+"""The main job: float16 training three ways, on two small problems.
 
     python -m tf_als.demo            # about 3 minutes on 2 CPU cores
     python -m tf_als.demo --quick    # a few seconds of training, for tests
 
-Trains the same model (same initial weights, same batches) in float32, in
-mixed_float16 with Keras's `LossScaleOptimizer`, and in mixed_float16 with
-tf_als, then prints a results table: test accuracy and loss; at the final
-weights, on held-out batches, the worst layer's weight-gradient underflow
-(the share of elements that are zero where float32's are not) and its
-relative gradient error against float32 (`tf_als.diagnose`); skipped steps;
-step time relative to Keras's run. It writes TensorBoard logs
-(`tensorboard --logdir <output-dir>/tensorboard`), a PNG of tf_als's
-per-layer scales, and the table as Markdown and JSON.
+Each problem is trained from the same initial weights on the same batches
+in float32, in mixed_float16 with Keras's `LossScaleOptimizer`, and in
+mixed_float16 with tf_als:
 
-The default model, `deep-sigmoid`, trains well in float32 while its first
-layers' gradients fall below what one global loss scale can hold in
-float16; `--model cnn` is the well-conditioned case, where every run
-agrees.
+1. underflow: `deep-sigmoid` on scikit-learn's digits. The gradients of
+   its first layers span more than one float16 loss scale can hold. At the
+   final weights, on held-out batches, each run's weight gradients are
+   compared with float32's per layer (`tf_als.diagnose`): the share of
+   elements flushed to zero and the relative error.
+2. failure: a house-price regression (`datasets.prices`) whose float16
+   output layer must reach values above 65504, float16's largest. No loss
+   scale helps; the layer must compute in float32.
+
+One line per run, then a table per problem and what they show. It writes
+both tables (`results.md`, `results.json`), TensorBoard logs
+(`tensorboard --logdir <output-dir>/tensorboard`) and a PNG of tf_als's
+per-layer scales in the underflow run.
 """
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
+import warnings
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+_TF_ALS_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 MODELS = ("deep-sigmoid", "cnn", "sigmoid-mlp")
 RUNS = ("float32", "keras", "tf_als")
+PARTS = ("underflow", "failure")
 RUN_TITLES = {
     "float32": "float32",
     "keras": "float16, Keras LossScaleOptimizer",
@@ -47,9 +53,20 @@ BN_MOMENTUM = 0.9
 # 3% error); at 20, 79% (measured on digits, seed 0).
 DEEP_SIGMOID_LAYERS = 20
 
+# The price model: Adam at 3.0 (its output weights must reach the
+# hundreds of thousands), cosine-decayed to 1% of that over the run so the
+# final weights have settled; batches of 32.
+PRICE_LEARNING_RATE = 3.0
+PRICE_BATCH = 32
+
+# How close tf_als's held-out result must come to float32's for the
+# closing sentences to call it "float32's": the demo's test asserts it too.
+ACCURACY_TOLERANCE = 0.02  # digits: test accuracy, absolute
+R2_TOLERANCE = 0.01  # prices: test R2, absolute
+
 
 def build_model(name, input_shape, classes):
-    """The demo models.
+    """The underflow part's models.
 
     - `deep-sigmoid`: 20 sigmoid Dense layers of 64 units, each reading the
       previous layer's output and the input (dense input connections, as
@@ -92,17 +109,31 @@ def build_model(name, input_shape, classes):
     return keras.Model(inputs, outputs, name=name.replace("-", "_"))
 
 
-class _StepTimer:
+def build_price_model(features):
+    """The failure part's model: two ReLU Dense layers and `price`, a
+    Dense(1) output in the global policy's compute dtype (float16 under
+    mixed_float16, as Keras builds it unless told otherwise)."""
+    import keras
+
+    inputs = keras.Input((features,))
+    x = keras.layers.Dense(32, activation="relu", name="hidden_1")(inputs)
+    x = keras.layers.Dense(16, activation="relu", name="hidden_2")(x)
+    outputs = keras.layers.Dense(1, name="price")(x)
+    return keras.Model(inputs, outputs, name="prices")
+
+
+class _StepCounter:
     """Keras callback factory: wall time of each epoch after the first
-    (which includes compilation), and steps that were skipped."""
+    (which includes compilation), batches run and steps applied."""
 
     def __new__(cls):
         import keras
 
-        class StepTimer(keras.callbacks.Callback):
+        class StepCounter(keras.callbacks.Callback):
             def __init__(self):
                 super().__init__()
-                self.epoch_times, self.steps, self.skipped = [], 0, 0
+                self.epoch_times, self.timed_steps = [], 0
+                self.batches, self.skipped = 0, 0
 
             def on_epoch_begin(self, epoch, logs=None):
                 self._began = time.perf_counter()
@@ -116,161 +147,355 @@ class _StepTimer:
                 seconds = time.perf_counter() - self._began
                 if epoch > 0:
                     self.epoch_times.append(seconds)
-                    self.steps += self._batches
+                    self.timed_steps += self._batches
                 applied = self._read_iterations() - self._applied_before
+                self.batches += self._batches
                 self.skipped += self._batches - applied
 
             def _read_iterations(self):
                 return int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
 
-        return StepTimer()
+        return StepCounter()
 
 
-def train(run, args, data, initial_weights, log_root):
-    """Trains one run; returns (model, results dict, ScaleHistory or None)."""
-    import keras
-
-    keras.mixed_precision.set_global_policy("float32" if run == "float32" else "mixed_float16")
-    keras.utils.set_random_seed(args.seed)
-    model = build_model(args.model, data.x_train.shape[1:], data.classes)
-    model.set_weights(initial_weights)
-    model, optimizer, history = _scaling(run, model, args, log_root)
-    timer = _StepTimer()
-    callbacks = [keras.callbacks.TensorBoard(os.path.join(log_root, run)), timer]
-    if history is not None:
-        callbacks.insert(0, history)
-    model.compile(
-        optimizer=optimizer,
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-    print(f"\n== {RUN_TITLES[run]} ==", flush=True)
-    model.fit(
-        data.x_train,
-        data.y_train,
-        batch_size=args.batch_size,
-        epochs=args.epochs,
-        verbose=args.verbose,
-        callbacks=callbacks,
-        shuffle=False,
-    )
-    loss, accuracy = model.evaluate(data.x_test, data.y_test, verbose=0)
-    step_time = sum(timer.epoch_times) / max(timer.steps, 1)
-    return model, {
-        "test_accuracy": float(accuracy),
-        "test_loss": float(loss),
-        "skipped_steps": int(timer.skipped),
-        "step_seconds": step_time,
-    }, history
-
-
-def _scaling(run, model, args, log_root):
-    """(the model to train, its optimizer, a ScaleHistory or None) for run
-    `run`: plain Adam, Keras's loss scaling, or tf_als."""
+def _fit(run, model, inner, data, *, loss, epochs, batch_size, log_dir, args):
+    """Compiles and fits one run. Returns (the trained model, its optimizer,
+    the step counter, a ScaleHistory or None)."""
     import keras
 
     import tf_als
 
-    inner = keras.optimizers.Adam(args.learning_rate)
+    history = None
     if run == "float32":
-        return model, inner, None
-    if run == "keras":
-        return model, keras.optimizers.LossScaleOptimizer(inner), None
-    model = tf_als.instrument(model)
-    optimizer = tf_als.AdaptiveLossScaleOptimizer(inner, telemetry_interval=args.telemetry_interval)
-    history = tf_als.callbacks.ScaleHistory(log_dir=os.path.join(log_root, run))
-    return model, optimizer, history
+        optimizer = inner
+    elif run == "keras":
+        optimizer = keras.optimizers.LossScaleOptimizer(inner)
+    else:
+        model = tf_als.instrument(model)
+        optimizer = tf_als.AdaptiveLossScaleOptimizer(
+            inner, telemetry_interval=args.telemetry_interval
+        )
+        history = tf_als.callbacks.ScaleHistory(log_dir=log_dir)
+    counter = _StepCounter()
+    callbacks = [keras.callbacks.TensorBoard(log_dir), counter]
+    if history is not None:
+        callbacks.insert(0, history)
+    model.compile(optimizer=optimizer, loss=loss, metrics=_metrics(data))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        model.fit(
+            data.x_train,
+            data.y_train,
+            batch_size=batch_size,
+            epochs=epochs,
+            verbose=args.verbose,
+            callbacks=callbacks,
+            shuffle=False,
+        )
+    messages = _tf_als_warnings(caught)
+    return model, optimizer, counter, history, messages
 
 
-def precision(run, model, data, args, batches=4):
-    """(worst underflow, worst relative error) of the run's weight
-    gradients against float32, at its final weights: per layer, the mean
-    over `batches` held-out batches of `tf_als.diagnose`'s flushed share and
-    relative error, then the worst layer. Zero for the float32 run."""
+def _tf_als_warnings(caught):
+    """The messages of tf_als's own warnings (the demo prints them under
+    the run's line); any other warning is passed on as it came."""
+    messages = []
+    for warning in caught:
+        if warning.filename.startswith(_TF_ALS_ROOT) or "tf_als" in str(warning.message):
+            messages.append(str(warning.message))
+        else:
+            warnings.warn_explicit(
+                warning.message, warning.category, warning.filename, warning.lineno
+            )
+    return list(dict.fromkeys(messages))
+
+
+def _metrics(data):
+    return ["accuracy"] if data.classes else []
+
+
+def _fresh(run, build, args):
+    """The run's model under its policy, from the shared initial weights."""
     import keras
+
+    keras.mixed_precision.set_global_policy("float32" if run == "float32" else "mixed_float16")
+    keras.utils.set_random_seed(args.seed)
+    return build()
+
+
+def _initial_weights(build, args):
+    import keras
+
+    keras.mixed_precision.set_global_policy("float32")
+    keras.utils.set_random_seed(args.seed)
+    return build().get_weights()
+
+
+def _scale(run, optimizer):
+    import keras
+
+    if run == "float32":
+        return 1.0
+    return float(keras.ops.convert_to_numpy(optimizer.dynamic_scale))
+
+
+def run_underflow(run, data, initial, args, log_root):
+    """Trains part 1's run `run`; returns (results dict, ScaleHistory or None)."""
+    import keras
+
+    began = time.perf_counter()
+    model = _fresh(run, lambda: build_model(args.model, data.x_train.shape[1:], data.classes), args)
+    model.set_weights(initial)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model, optimizer, counter, history, messages = _fit(
+        run, model, keras.optimizers.Adam(args.learning_rate), data,
+        loss=loss, epochs=args.epochs, batch_size=args.batch_size,
+        log_dir=os.path.join(log_root, "underflow", run), args=args,
+    )
+    test_loss, accuracy = model.evaluate(data.x_test, data.y_test, verbose=0)
+    layers = layer_precision(run, model, data, args, loss)
+    worst = max(layers, key=lambda name: layers[name]) if layers else None
+    result = {
+        "test_accuracy": float(accuracy),
+        "test_loss": float(test_loss),
+        "steps": counter.batches,
+        "skipped_steps": counter.skipped,
+        "loss_scale": _scale(run, optimizer),
+        "step_seconds": sum(counter.epoch_times) / max(counter.timed_steps, 1),
+        "layers": layers,
+        "worst_layer": worst,
+        "worst_underflow": layers[worst][0] if worst else 0.0,
+        "worst_gradient_error": layers[worst][1] if worst else 0.0,
+        "seconds": time.perf_counter() - began,
+        "warnings": messages,
+    }
+    return result, history
+
+
+def layer_precision(run, model, data, args, loss, batches=4):
+    """{layer name: (underflow, relative error)} of the run's weight
+    gradients against float32's at its final weights: the mean over
+    `batches` held-out batches of `tf_als.diagnose`'s figures for the
+    run's own scaling (Keras's for `keras`, tf_als's for `tf_als`). Empty
+    for the float32 run."""
     import numpy as np
 
     import tf_als
 
     if run == "float32":
-        return 0.0, 0.0
+        return {}
     kind = "keras" if run == "keras" else "als"
-    underflow, error = [], []
+    names, underflow, error = None, [], []
     for start in range(0, batches * args.batch_size, args.batch_size):
         x = data.x_test[start : start + args.batch_size]
         y = data.y_test[start : start + args.batch_size]
         if len(x) == 0:
             break
-        report = tf_als.diagnose(
-            model,
-            x,
-            y,
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            verbose=False,
-        )
+        report = tf_als.diagnose(model, x, y, loss=loss, verbose=False)
+        names = [r.layer for r in report.rows]
         underflow.append([getattr(r, f"{kind}_underflow") for r in report.rows])
         error.append([getattr(r, f"{kind}_error") for r in report.rows])
-    return (
-        float(np.max(np.mean(underflow, axis=0))),
-        float(np.max(np.mean(error, axis=0))),
+    means = zip(np.mean(underflow, axis=0), np.mean(error, axis=0))
+    return {name: [float(u), float(e)] for name, (u, e) in zip(names, means)}
+
+
+def run_failure(run, data, initial, args, log_root, epochs):
+    """Trains part 2's run `run` (the price regression); returns its
+    results dict."""
+    import keras
+
+    import tf_als
+
+    began = time.perf_counter()
+    model = _fresh(run, lambda: build_price_model(data.x_train.shape[1]), args)
+    model.set_weights(initial)
+    steps = epochs * math.ceil(len(data.x_train) / PRICE_BATCH)
+    schedule = keras.optimizers.schedules.CosineDecay(
+        PRICE_LEARNING_RATE, decay_steps=steps, alpha=0.01
     )
+    model, optimizer, counter, _, messages = _fit(
+        run, model, keras.optimizers.Adam(schedule), data,
+        loss=keras.losses.MeanSquaredError(), epochs=epochs,
+        batch_size=PRICE_BATCH, log_dir=os.path.join(log_root, "failure", run),
+        args=args,
+    )
+    predictions = model.predict(data.x_test, batch_size=256, verbose=0)
+    promoted = [p.layer for p in tf_als.promoted(model)] if run == "tf_als" else []
+    return {
+        "test_r2": r2(data.y_test, predictions),
+        "steps": counter.batches,
+        "skipped_steps": counter.skipped,
+        "loss_scale": _scale(run, optimizer),
+        "promoted": promoted,
+        "seconds": time.perf_counter() - began,
+        "warnings": messages,
+    }
 
 
-def table(results):
+def r2(y, predictions):
+    """The coefficient of determination, 1 - SS_res / SS_tot, in float64;
+    NaN when a prediction is not finite."""
+    import numpy as np
+
+    y = np.asarray(y, "float64")
+    predictions = np.asarray(predictions, "float64")
+    if not np.all(np.isfinite(predictions)):
+        return float("nan")
+    return float(1.0 - np.sum((y - predictions) ** 2) / np.sum((y - y.mean()) ** 2))
+
+
+def progress(part, run, result):
+    """One line for a finished run."""
+    head = f"{part:<9} {RUN_TITLES[run]:<34} done in {result['seconds']:4.0f} s, "
+    if part == "underflow":
+        line = head + f"test accuracy {result['test_accuracy']:.3f}"
+        return line + "".join(f"\n    tf_als said: {m}" for m in result["warnings"])
+    line = head + f"test R2 {_r2_text(result['test_r2'])}"
+    if result["skipped_steps"]:
+        line += f", {result['skipped_steps']} of {result['steps']} steps skipped"
+    if result["promoted"]:
+        line += f", promoted to float32: {', '.join(result['promoted'])}"
+    return line + "".join(f"\n    tf_als said: {m}" for m in result["warnings"])
+
+
+def _r2_text(value):
+    return f"{value:.4f}" if math.isfinite(value) else "not finite"
+
+
+def _pow2(value):
+    if value <= 0:
+        return "0"
+    exponent = math.log2(value)
+    return f"2**{exponent:.0f}" if exponent == round(exponent) else f"{value:g}"
+
+
+def underflow_table(results):
+    """Part 1's Markdown table."""
     lines = [
-        "| run | test accuracy | test loss | worst-layer underflow | "
-        "worst-layer gradient error | skipped steps | step time vs Keras |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| run | test accuracy | test loss | worst layer | its underflow | "
+        "its gradient error | skipped steps | step time vs Keras |",
+        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
     ]
     base = results["keras"]["step_seconds"]
     for run in RUNS:
         r = results[run]
         lines.append(
             f"| {RUN_TITLES[run]} | {r['test_accuracy']:.4f} | {r['test_loss']:.4f} | "
-            f"{r['worst_underflow']:.1%} | {r['worst_gradient_error']:.1%} | "
-            f"{r['skipped_steps']} | "
+            f"{r['worst_layer'] or '-'} | {r['worst_underflow']:.1%} | "
+            f"{r['worst_gradient_error']:.1%} | {r['skipped_steps']} of {r['steps']} | "
             f"{r['step_seconds'] / base:.2f}x |"
         )
     return "\n".join(lines)
 
 
+def failure_table(results):
+    """Part 2's Markdown table."""
+    lines = [
+        "| run | test R2 | skipped steps | final loss scale | layers promoted to float32 |",
+        "| --- | ---: | ---: | ---: | --- |",
+    ]
+    for run in RUNS:
+        r = results[run]
+        lines.append(
+            f"| {RUN_TITLES[run]} | {_r2_text(r['test_r2'])} | "
+            f"{r['skipped_steps']} of {r['steps']} | "
+            f"{_pow2(r['loss_scale']) if run != 'float32' else '-'} | "
+            f"{', '.join(r['promoted']) or '-'} |"
+        )
+    return "\n".join(lines)
+
+
+def underflow_summary(results):
+    """What part 1's table shows, from its own numbers."""
+    keras_run, als = results["keras"], results["tf_als"]
+    layer = keras_run["worst_layer"]
+    underflow, error = keras_run["layers"][layer]
+    als_underflow, als_error = als["layers"][layer]
+    accuracies = [results[run]["test_accuracy"] for run in RUNS]
+    spread = max(accuracies) - min(accuracies)
+    accuracy = (
+        f"Test accuracy differs by {spread:.1%} at most between the three "
+        "runs: on this model the lost gradients do not change the result."
+        if spread <= ACCURACY_TOLERANCE
+        else f"Test accuracy: float32 {accuracies[0]:.3f}, Keras "
+        f"{accuracies[1]:.3f}, tf_als {accuracies[2]:.3f}."
+    )
+    return (
+        f"Underflow: the worst layer under Keras's global scale "
+        f"({_pow2(keras_run['loss_scale'])}) is {layer}: {underflow:.0%} of its "
+        f"weight-gradient elements that float32 resolves arrive as exact "
+        f"zeros (underflow) and the gradient applied is {error:.0%} off "
+        f"float32's (gradient error: |g16 - g32| / |g32| over the layer's "
+        f"weights; both at each run's final weights, mean of 4 held-out "
+        f"batches). With its own scale under tf_als the same layer has "
+        f"{als_underflow:.1%} and {als_error:.1%}. {accuracy}"
+    )
+
+
+def failure_summary(results):
+    """What part 2's table shows, from its own numbers."""
+    f32, keras_run, als = results["float32"], results["keras"], results["tf_als"]
+    ended = (
+        "its predictions are not finite"
+        if not math.isfinite(keras_run["test_r2"])
+        else f"its test R2 is {keras_run['test_r2']:.4f}"
+    )
+    promoted = ", ".join(als["promoted"]) or "no layer"
+    return (
+        f"Failure: every price is above 65504, float16's largest value, so "
+        f"no loss scale helps the float16 output layer. Keras skipped "
+        f"{keras_run['skipped_steps']} of {keras_run['steps']} steps, its "
+        f"scale fell to {_pow2(keras_run['loss_scale'])} and {ended}. tf_als "
+        f"promoted {promoted} to float32, skipped {als['skipped_steps']} "
+        f"steps and reached a test R2 of {_r2_text(als['test_r2'])} "
+        f"(float32: {_r2_text(f32['test_r2'])})."
+    )
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         prog="python -m tf_als.demo",
-        description="Train one model in float32, in float16 with Keras's "
-        "LossScaleOptimizer and in float16 with tf_als, and compare them.",
+        description="Train two small models in float32, in float16 with "
+        "Keras's LossScaleOptimizer and in float16 with tf_als, and compare "
+        "them: 'underflow' (gradients one global loss scale flushes) and "
+        "'failure' (a layer float16 cannot compute).",
     )
+    parser.add_argument("--parts", choices=PARTS + ("both",), default="both",
+                        help="which problems to run (default both)")
     parser.add_argument("--model", choices=MODELS, default="deep-sigmoid",
-                        help="deep-sigmoid (default): 20 sigmoid layers that "
-                        "also read the input; it trains well, and its first "
-                        "layers' gradients span more than one float16 loss "
-                        "scale can hold. cnn: a small conv net with batch "
+                        help="the underflow part's model. deep-sigmoid "
+                        "(default): 20 sigmoid layers that also read the "
+                        "input; it trains well, and its first layers' "
+                        "gradients span more than one float16 loss scale can "
+                        "hold. cnn: a small conv net with batch "
                         "normalisation, which one global scale serves. "
                         "sigmoid-mlp: 16 plain sigmoid layers (the textbook "
                         "vanishing-gradient network; it barely trains, in "
                         "float32 too)")
     parser.add_argument("--dataset", choices=("digits", "mnist"), default="digits",
-                        help="digits ships with scikit-learn (default); mnist "
-                        "reads a local mnist.npz (see --data-path)")
+                        help="the underflow part's data: digits ships with "
+                        "scikit-learn (default); mnist reads a local "
+                        "mnist.npz (see --data-path)")
     parser.add_argument("--data-path", default=None,
                         help="mnist.npz for --dataset mnist (default "
                         "~/.keras/datasets/mnist.npz); never downloaded")
     parser.add_argument("--epochs", type=int, default=20,
-                        help="training epochs per run (default 20)")
+                        help="the underflow part's training epochs (default "
+                        "20; the failure part trains 15)")
     parser.add_argument("--batch-size", type=int, default=64,
-                        help="batch size (default 64)")
+                        help="the underflow part's batch size (default 64)")
     parser.add_argument("--learning-rate", type=float, default=1e-3,
-                        help="Adam learning rate (default 1e-3)")
+                        help="the underflow part's Adam learning rate (default 1e-3)")
     parser.add_argument("--telemetry-interval", type=int, default=100,
                         help="steps between tf_als telemetry records (default 100)")
     parser.add_argument("--output-dir", default="tf_als_runs",
                         help="where logs, plot and results go (default ./tf_als_runs)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--quick", action="store_true",
-                        help="2 epochs on 256 training samples, for tests")
-    parser.add_argument("--verbose", type=int, choices=(0, 1, 2), default=1,
-                        help="Keras fit verbosity: 0 silent, 1 progress bars "
-                        "(default), 2 one line per epoch")
+                        help="a few seconds of training on a subset, for tests")
+    parser.add_argument("--verbose", type=int, choices=(0, 1, 2), default=0,
+                        help="Keras fit verbosity: 0 one line per run "
+                        "(default), 1 progress bars, 2 one line per epoch")
     args = parser.parse_args(argv)
     for name in ("epochs", "batch_size", "telemetry_interval"):
         if getattr(args, name) < 1:
@@ -280,53 +505,85 @@ def parse_args(argv=None):
     return args
 
 
+# Epochs of the failure part: 24 steps each; the held-out R2 of float32
+# and tf_als has settled by then.
+FAILURE_EPOCHS = 15
+
+
 def main(argv=None):
+    """Runs the demo; returns {part: {run: results dict}}."""
+    from tf_als._src.demo import quiet
+
     args = parse_args(argv)
+    with quiet.filtered_stderr():
+        return _main(args)
+
+
+def _main(args):
     import keras
 
     from tf_als._src.demo import datasets
     from tf_als._src.monitoring import plots
 
-    data = datasets.load(args.dataset, args.data_path)
-    if args.quick:
-        args.epochs = 2
-        data = datasets.Dataset(
-            data.name, data.x_train[:256], data.y_train[:256],
-            data.x_test[:128], data.y_test[:128], data.classes,
-        )
+    parts = PARTS if args.parts == "both" else (args.parts,)
     os.makedirs(args.output_dir, exist_ok=True)
     log_root = os.path.join(args.output_dir, "tensorboard")
+    results, texts, history, plot_path = {}, [], None, None
+    if "underflow" in parts:
+        data = datasets.load(args.dataset, args.data_path)
+        if args.quick:
+            args.epochs = 2
+            data = datasets.Dataset(
+                data.name, data.x_train[:256], data.y_train[:256],
+                data.x_test[:128], data.y_test[:128], data.classes,
+            )
+        print(
+            f"underflow: {args.model} on {data.name}, {len(data.x_train)} "
+            f"training and {len(data.x_test)} test samples, {args.epochs} "
+            f"epochs, batch {args.batch_size}", flush=True,
+        )
+        initial = _initial_weights(
+            lambda: build_model(args.model, data.x_train.shape[1:], data.classes), args
+        )
+        results["underflow"] = {}
+        for run in RUNS:
+            result, run_history = run_underflow(run, data, initial, args, log_root)
+            results["underflow"][run] = result
+            history = run_history or history
+            print(progress("underflow", run, result), flush=True)
+        texts.append((underflow_table(results["underflow"]), underflow_summary(results["underflow"])))
+    if "failure" in parts:
+        data = datasets.prices(seed=args.seed)
+        epochs = 2 if args.quick else FAILURE_EPOCHS
+        print(
+            f"failure: price regression, {len(data.x_train)} training and "
+            f"{len(data.x_test)} test houses, {epochs} epochs, batch {PRICE_BATCH}",
+            flush=True,
+        )
+        initial = _initial_weights(lambda: build_price_model(data.x_train.shape[1]), args)
+        results["failure"] = {}
+        for run in RUNS:
+            result = run_failure(run, data, initial, args, log_root, epochs)
+            results["failure"][run] = result
+            print(progress("failure", run, result), flush=True)
+        texts.append((failure_table(results["failure"]), failure_summary(results["failure"])))
     keras.mixed_precision.set_global_policy("float32")
-    keras.utils.set_random_seed(args.seed)
-    initial = build_model(args.model, data.x_train.shape[1:], data.classes).get_weights()
 
-    results = {}
-    history = None
-    for run in RUNS:
-        model, results[run], run_history = train(run, args, data, initial, log_root)
-        underflow, error = precision(run, model, data, args)
-        results[run].update(worst_underflow=underflow, worst_gradient_error=error)
-        history = run_history or history
-    keras.mixed_precision.set_global_policy("float32")
-
-    plot_path = os.path.join(args.output_dir, "tf_als_scales.png")
-    plots.plot_history(history, plot_path)
-    text = table(results)
-    with open(os.path.join(args.output_dir, "results.md"), "w") as handle:
-        handle.write(text + "\n")
+    if history is not None:
+        plot_path = os.path.join(args.output_dir, "tf_als_scales.png")
+        plots.plot_history(history, plot_path)
+    markdown = "\n\n".join(table for table, _ in texts)
+    results_md = os.path.join(args.output_dir, "results.md")
+    with open(results_md, "w") as handle:
+        handle.write(markdown + "\n")
     with open(os.path.join(args.output_dir, "results.json"), "w") as handle:
         json.dump({"args": vars(args), "results": results}, handle, indent=2)
-    print(
-        f"\n{args.model} on {data.name}: {len(data.x_train)} training and "
-        f"{len(data.x_test)} test samples, {args.epochs} epochs, batch "
-        f"{args.batch_size}\n"
-    )
-    print(text)
-    print(
-        f"\nTensorBoard: tensorboard --logdir {log_root}\n"
-        f"Per-layer scales: {plot_path}\n"
-        f"Results: {os.path.join(args.output_dir, 'results.md')}"
-    )
+    for table, summary in texts:
+        print(f"\n{table}\n\n{summary}")
+    print(f"\nTables: {results_md} (and results.json)")
+    print(f"TensorBoard: tensorboard --logdir {log_root}")
+    if plot_path:
+        print(f"tf_als's per-layer scales over the underflow run: {plot_path}")
     return results
 
 
