@@ -53,6 +53,7 @@ grows with the sample's size, not with size * log(size) (the paper's rule,
 counts give both the percentile and the log2 histogram.
 """
 
+import types
 from typing import NamedTuple
 
 import tensorflow as tf
@@ -206,11 +207,11 @@ def forward_headroom(outputs) -> tf.Tensor:
 
 
 # Float dtype -> (signed and unsigned integers of its width, its sign bit).
-_BITS = {
+_BITS = types.MappingProxyType({
     tf.float16: (tf.int16, tf.uint16, 1 << 15),
     tf.bfloat16: (tf.int16, tf.uint16, 1 << 15),
     tf.float32: (tf.int32, tf.uint32, 1 << 31),
-}
+})
 
 
 def _amax(gradient) -> tf.Tensor:
