@@ -21,9 +21,37 @@ from tensorboard.backend.event_processing import event_accumulator
 import tf_als
 from tf_als._src.scaling import rule
 from tf_als._src.monitoring import callbacks
+from tf_als._src.monitoring import font
+from tf_als._src.monitoring import overview
 from tests import architectures
 
 CASE = architectures.CASES[5]  # shared_layer: a shared layer and 4 points
+
+# What `ScaleHistory` writes, as docs/monitoring.md lists it.
+POINT_SCALARS = (
+    "scale", "cumulative_scale", "percentile", "amax", "zero_fraction",
+    "subnormal_fraction", "near_max_fraction", "forward_amax",
+    "forward_near_max_fraction",
+)
+GLOBAL_SCALARS = (
+    "global/loss_scale", "global/skipped_steps",
+    "overview/worst_subnormal_fraction", "overview/worst_near_max_fraction",
+)
+
+
+def scalar_tags(names) -> set:
+    """`<group>/<quantity>` per point (`/` in names becomes `.`), and the
+    global and overview scalars."""
+    groups = [name.replace("/", ".") for name in names]
+    return set(GLOBAL_SCALARS) | {f"{g}/{q}" for g in groups for q in POINT_SCALARS}
+
+
+def histogram_tags(names) -> set:
+    return {name.replace("/", ".") + "/log2_magnitude" for name in names}
+
+
+TEXT_TAGS = {"global/point_names", "overview/worst_layers"}
+IMAGE_TAGS = {"overview/log2_scale"}
 
 
 class SmallLoss(keras.losses.Loss):
@@ -192,19 +220,13 @@ def test_tensorboard_tags_and_values(mixed, tmp_path):
     assert sorted(os.listdir(log_dir)) == ["tf_als", "train"]
     run = _read_run(os.path.join(log_dir, "tf_als"))
     tags = set(run.Tags()[event_accumulator.TENSORS])
-    assert tags == (
-        callbacks.scalar_tags(names)
-        | callbacks.histogram_tags(names)
-        | callbacks.text_tags()
-        | callbacks.image_tags()
-    )
+    assert set(POINT_SCALARS) == set(callbacks.POINT_QUANTITIES)
+    assert tags == scalar_tags(names) | histogram_tags(names) | TEXT_TAGS | IMAGE_TAGS
     # The overview: as many cards for 2 points as for 200.
     overview_tags = {t for t in tags if t.startswith("overview/")}
     assert len(overview_tags) == 4, overview_tags
     steps = history.history["step"]
-    image = run.Tensors(callbacks.OVERVIEW_IMAGE_TAG)[-1]
-    width, height = (int(v) for v in tf.make_ndarray(image.tensor_proto)[:2])
-    assert (height, width) == (4 * len(names), 4 * len(steps))
+    assert [e.step for e in run.Tensors(callbacks.OVERVIEW_IMAGE_TAG)] == steps
     worst = tf.make_ndarray(run.Tensors(callbacks.OVERVIEW_TEXT_TAG)[-1].tensor_proto)
     assert worst.item().decode().startswith("**underflow** (subnormal after scale):")
     pressure = run.Tensors("overview/worst_near_max_fraction")
@@ -284,7 +306,7 @@ def test_real_tensorboard_server_serves_the_scales(mixed, tmp_path):
                 pass
             time.sleep(0.5)
         names = [p.point_name for p in model.scaling_points]
-        assert set(tags["tf_als"]) == callbacks.scalar_tags(names)
+        assert set(tags["tf_als"]) == scalar_tags(names)
         name = names[-1]
         tag = f"{callbacks.tag_group(name)}/scale"
         query = urllib.parse.urlencode({"run": "tf_als", "tag": tag})
@@ -292,7 +314,7 @@ def test_real_tensorboard_server_serves_the_scales(mixed, tmp_path):
         assert [row[1] for row in series] == history.history["step"]
         assert [row[2] for row in series] == history.history["points"][name]["scale"]
         images = _get_json(f"{base}/data/plugin/images/tags")
-        assert set(images["tf_als"]) == callbacks.image_tags()
+        assert set(images["tf_als"]) == IMAGE_TAGS
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -311,3 +333,81 @@ def test_needs_an_instrumented_model(mixed):
     _, model = CASE.build_pair()
     with pytest.raises(TypeError, match="tf_als.instrument"):
         callbacks.ScaleHistory().set_model(model)
+
+
+def _ink(region):
+    """The pixels of `region` painted in the overview's ink, cropped to
+    their bounding box."""
+    ink = np.all(region == overview.INK, axis=-1)
+    rows, columns = np.nonzero(ink)
+    assert rows.size, "no text here"
+    return ink[rows.min() : rows.max() + 1, columns.min() : columns.max() + 1]
+
+
+def _rendered(text, scale):
+    mask = font.render(text, scale)
+    rows, columns = np.nonzero(mask)
+    return mask[rows.min() : rows.max() + 1, columns.min() : columns.max() + 1]
+
+
+def test_overview_image_names_the_layers_and_numbers_its_colours(mixed, tmp_path):
+    """Read back from the event file: the heat map's size, one colour per
+    integer log2 scale (distinct ones for distinct scales, matching the
+    numbered colour scale) and every layer's name beside its row."""
+    log_dir = str(tmp_path / "logs")
+    model = _model(interval=2)
+    history = callbacks.ScaleHistory(log_dir=log_dir)
+    x, y, batch = _data(5)
+    model.fit(
+        x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,
+        callbacks=[history],
+    )
+    run = _read_run(os.path.join(log_dir, "tf_als"))
+    width, height, png = tf.make_ndarray(
+        run.Tensors(callbacks.OVERVIEW_IMAGE_TAG)[-1].tensor_proto
+    )
+    pixels = tf.io.decode_png(png).numpy()
+    names, steps = list(history.history["points"]), history.history["step"]
+    log2 = np.log2([history.history["points"][n]["scale"] for n in names])
+    low, high = int(log2.min()), int(log2.max())
+    assert high > low  # several colours to tell apart
+    box = overview.layout(names, steps, high - low + 1)
+    assert pixels.shape == (int(height), int(width), 3) == (box.height, box.width, 3)
+    # Blocks a person can see: a row as tall as two lines of the font, a
+    # column 2 to 32 pixels wide (32 here: 3 updates).
+    assert box.row_height >= 2 * font.GLYPH_HEIGHT and box.column_width == 32
+    top, left, rows, columns = box.heat
+    assert (rows, columns) == (box.row_height * len(names), 32 * len(steps))
+    colours = {}
+    for r, c in np.ndindex(*log2.shape):
+        cell = pixels[
+            top + r * box.row_height : top + (r + 1) * box.row_height - 1,
+            left + c * box.column_width : left + (c + 1) * box.column_width,
+        ]
+        assert (cell == cell[0, 0]).all(), (r, c)  # one colour per cell
+        colours.setdefault(log2[r, c], set()).add(tuple(cell[0, 0]))
+    assert all(len(c) == 1 for c in colours.values()), colours
+    assert len({c.pop() for c in map(set, colours.values())}) == len(colours)
+    # The colour scale: one swatch per integer from low to high, each the
+    # colour of the cells with that log2 scale, its number below it.
+    legend_top, legend_left, _, legend_width = box.legend
+    swatch = legend_width // (high - low + 1)
+    middle = legend_top + box.row_height // 2
+    swatches = [
+        tuple(pixels[middle, legend_left + k * swatch + swatch // 2])
+        for k in range(high - low + 1)
+    ]
+    assert len(set(swatches)) == len(swatches)
+    for value, colour in colours.items():
+        assert {swatches[int(value) - low]} == colour, value
+    # The lowest level's number, centred under its swatch (next numbers
+    # are at least a number's width further right).
+    centre, half = legend_left + swatch // 2, font.text_width(str(low), box.scale) // 2
+    numbers = pixels[legend_top + box.row_height :, centre - half - 2 : centre + half + 2]
+    np.testing.assert_array_equal(_ink(numbers), _rendered(str(low), box.scale))
+    # Each layer's name, on its row, between the left margin and the map.
+    for r, name in enumerate(names):
+        strip = pixels[top + r * box.row_height : top + (r + 1) * box.row_height, :left]
+        np.testing.assert_array_equal(
+            _ink(strip), _rendered(overview.short_label(name), box.scale), name
+        )

@@ -30,10 +30,6 @@ POINT_QUANTITIES = ("scale",) + state.RECORD_FIELDS
 `rule.GradientStatistics` of the incoming gradient, and the forward
 headroom of the point's float16 output (`state.FORWARD_FIELDS`)."""
 
-GLOBAL_QUANTITIES = ("loss_scale", "skipped_steps")
-"""Per update: the global loss scale S and the number of skipped
-(non-finite) steps so far."""
-
 EPOCH_LOG_KEYS = ("loss_scale", "skipped_steps", "worst_subnormal_fraction")
 """What `ScaleHistory` adds to Keras's epoch logs."""
 
@@ -45,23 +41,33 @@ underflow), and the largest `near_max_fraction` (overflow pressure)."""
 
 OVERVIEW_IMAGE_TAG = "overview/log2_scale"
 """An image, rewritten at each update: the layers-by-updates heat map of
-log2 per-layer scale (the last `OVERVIEW_UPDATES` updates)."""
+log2 per-layer scale (the last `OVERVIEW_UPDATES` updates), with the
+layers' names and a numbered colour scale (`overview.overview_image`)."""
+
+OVERVIEW_IMAGE_DESCRIPTION = (
+    "log2 of each layer's scale (rows, in execution order) at each "
+    "telemetry update (columns, oldest left). One colour per integer log2 "
+    "scale present, numbered in the scale below the map; grey: no value. "
+    "Tick 'Show actual image size' to see it pixel for pixel."
+)
 
 OVERVIEW_TEXT_TAG = "overview/worst_layers"
 """A text at each update naming the few worst layers by underflow and by
 overflow pressure, with their values."""
 
 OVERVIEW_UPDATES = 200
+"""How many of the latest updates the heat map shows."""
 
 RUN_NAME = "tf_als"
 """The subdirectory of `log_dir` the summaries go to (a TensorBoard run)."""
 
 POINT_NAMES_TAG = "global/point_names"
-# Text written at the step of each promotion to float32 (only when one
-# happens: see `promote_on_storm`).
-PROMOTIONS_TAG = "global/promotions"
 """A text summary, written once, listing the scaling points' names (one per
 line, in execution order): tags cannot hold `/` in names, this can."""
+
+PROMOTIONS_TAG = "global/promotions"
+"""A text written at the step of each promotion to float32 (only when one
+happens: see `promote_on_storm`)."""
 
 
 def tag_group(point_name: str) -> str:
@@ -69,32 +75,6 @@ def tag_group(point_name: str) -> str:
     replaced by `.` (TensorBoard folds tags by their first `/` component, so
     each layer gets its own fold)."""
     return point_name.replace("/", ".")
-
-
-def scalar_tags(point_names) -> set:
-    """The exact set of scalar tags `ScaleHistory` writes for these points:
-    `<group>/<quantity>` for every point and `POINT_QUANTITIES` entry, and
-    `global/<quantity>` for every `GLOBAL_QUANTITIES` entry."""
-    tags = {f"global/{q}" for q in GLOBAL_QUANTITIES}
-    tags.update(f"overview/{q}" for q in OVERVIEW_SCALARS)
-    for name in point_names:
-        tags.update(f"{tag_group(name)}/{q}" for q in POINT_QUANTITIES)
-    return tags
-
-
-def text_tags() -> set:
-    """The text tags: the point-name list and the worst layers."""
-    return {POINT_NAMES_TAG, OVERVIEW_TEXT_TAG}
-
-
-def image_tags() -> set:
-    """The image tags: the heat map of log2 scales."""
-    return {OVERVIEW_IMAGE_TAG}
-
-
-def histogram_tags(point_names) -> set:
-    """The histogram tags: `<group>/log2_magnitude` per point."""
-    return {f"{tag_group(name)}/log2_magnitude" for name in point_names}
 
 
 class ScaleHistory(keras.callbacks.Callback):
@@ -360,19 +340,20 @@ class ScaleHistory(keras.callbacks.Callback):
         points = self.history["points"]
         underflow = self._subnormal_after_scale()
         overflow = {n: v["near_max_fraction"][-1] for n, v in points.items()}
-        tf.summary.scalar(
-            "overview/worst_subnormal_fraction", max(underflow.values(), default=0.0)
-        )
-        tf.summary.scalar(
-            "overview/worst_near_max_fraction", max(overflow.values(), default=0.0)
-        )
+        for quantity, values in zip(OVERVIEW_SCALARS, (underflow, overflow)):
+            tf.summary.scalar(f"overview/{quantity}", max(values.values(), default=0.0))
         tf.summary.text(
             OVERVIEW_TEXT_TAG,
             _overview_text(overview.worst(underflow), overview.worst(overflow)),
         )
         scales = np.array([v["scale"][-OVERVIEW_UPDATES:] for v in points.values()])
-        image = overview.heat_map(np.log2(scales))
-        tf.summary.image(OVERVIEW_IMAGE_TAG, image[np.newaxis], max_outputs=1)
+        image = overview.overview_image(
+            list(points), self.history["step"][-OVERVIEW_UPDATES:], np.log2(scales)
+        )
+        tf.summary.image(
+            OVERVIEW_IMAGE_TAG, image[np.newaxis], max_outputs=1,
+            description=OVERVIEW_IMAGE_DESCRIPTION,
+        )
 
     def _open_writer(self, step):
         """Opens the writer at the first write, and lists the points."""
