@@ -203,6 +203,20 @@ def test_unknown_keyword_names_the_class_and_suggests(kwargs, suggestion):
         ALS(keras.optimizers.SGD(), **kwargs)
 
 
+def test_every_unexpected_keyword_is_named():
+    # As Keras names all of them ("arguments: `foo`, `bar`"), with the
+    # closest argument for each that has one, in the order given.
+    with pytest.raises(ValueError) as caught:
+        ALS(keras.optimizers.SGD(), foo=True, update_intervall=3, bar=3)
+    message = str(caught.value)
+    assert "unexpected keyword arguments: `foo`, `update_intervall`, `bar`." in message
+    assert "Did you mean `update_interval` for `update_intervall`?" in message
+    assert "Its arguments: inner_optimizer, initial_scale," in message
+    # A known parent keyword among them is left to the parent's check.
+    with pytest.raises(ValueError, match=r"arguments: `foo`, `bar`\. Its"):
+        ALS(keras.optimizers.SGD(), foo=True, clipnorm=None, bar=3)
+
+
 def test_warns_once_on_a_model_that_was_not_instrumented(mixed):
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     optimizer = ALS(keras.optimizers.SGD())

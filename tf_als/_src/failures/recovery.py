@@ -1,0 +1,244 @@
+"""When steps are skipped: promote the failing layers to float32, or stop.
+
+`AdaptiveLossScaleOptimizer.check_skips` and `.preflight` hand over to the
+optimizer's `Recovery`, which reads the skip counters (`training.skips`)
+and acts, in this order:
+
+1. **First check.** In a custom loop, the first `check_skips` with batches
+   and the loss (on one of the first two steps) runs the preflight `fit`
+   runs before its first step: the layers whose float16 arithmetic fails
+   on a real batch are promoted and the global scale S is set where the
+   batch's gradients are finite (`preflight`).
+2. **Storm.** `max_consecutive_skips` steps skipped in a row: promote
+   (`preflight` on up to 8 batches), or raise `storm.NonFiniteStormError`
+   naming the layer whose gradient was first non-finite.
+3. **Frequent skips.** As many skipped steps within twice that many, not
+   in a row: promote, or warn once.
+4. **Below one.** A skip took S below 1 (usually a float16 model output
+   that cannot carry the loss's gradient): promote quietly when a layer
+   fails, looking again only once S has fallen another 2**4.
+
+After a promotion (or the first batch's preflight) the run restarts from
+the same step: S set anew, the skip counts forgotten (`restart`).
+"""
+
+import itertools
+import warnings
+
+import keras
+import tensorflow as tf
+
+from tf_als._src.failures import preflight as preflight_module
+from tf_als._src.failures import promote as promote_module
+from tf_als._src.failures import silent
+from tf_als._src.failures import storm
+from tf_als._src.training import handoff
+from tf_als._src.training import skips
+
+# The global scale's floor (and the smallest one preflight tries): Keras
+# halves for good, down to exactly 0, after which a finite step divides its
+# gradients by 0.
+MIN_SCALE = preflight_module.MIN_SCALE
+# Batches a storm re-runs, at most.
+STORM_BATCHES = 8
+
+
+class Recovery:
+    """What one optimizer's run has checked so far (plain Python state: it
+    only steers eager checks between steps).
+
+    Attributes:
+        loop_checks: a loop called `check_skips` with batches; an eager
+            `apply` then leaves the check (and the promotion) to the loop.
+        preflown: the first batch was checked (`preflight`).
+        looked_below: the global scale at which a scale below 1 was last
+            looked into (inf: not yet).
+        gave_up_on_window: frequent skips were warned of, once.
+    """
+
+    def __init__(self):
+        self.loop_checks = False
+        self.preflown = False
+        self.looked_below = float("inf")
+        self.gave_up_on_window = False
+
+    def check(self, optimizer, attempted=None, batches=None, loss=None) -> list:
+        """`optimizer.check_skips`: the promotions made (see the module)."""
+        if batches is not None:
+            self.loop_checks = True
+        if not optimizer.built:
+            return []
+        for model in optimizer.applied_models():
+            silent.warn_silent_failures(model, stacklevel=4)
+        if optimizer.max_consecutive_skips is None:
+            return []
+        first = self._first_check(optimizer, batches, loss)
+        if first:
+            return first
+        streak = skips.streak(optimizer)
+        if skips.stops(optimizer):
+            made, why = self._promote(optimizer, batches, loss)
+            if made:
+                return list(made)
+            message = storm.describe(optimizer, streak, attempted)
+            if why is not None:
+                message += f" promote_on_storm: {why}."
+            raise storm.NonFiniteStormError(message)
+        if skips.frequent(optimizer) and not self.gave_up_on_window:
+            return self._promote_on_frequent_skips(optimizer, batches, loss)
+        return self._promote_below_one(optimizer, streak, batches, loss)
+
+    def preflight(self, optimizer, model, batches, loss=None, limit=1, first=True) -> tuple:
+        """`optimizer.preflight` (built): (promotions, why none or None)."""
+        self.preflown = True
+        step = int(keras.ops.convert_to_numpy(optimizer.iterations))
+        loss_fn = None if loss is None else _batch_mean_loss(loss)
+        triples = _triples_of(batches) if loss is not None else _inputs_only(batches)
+        outcome = preflight_module.run(
+            model,
+            itertools.islice(triples(), limit),
+            loss_fn,
+            optimizer.initial_scale,
+            step,
+            choose=first,
+        )
+        for promotion in outcome.promotions:
+            warnings.warn(
+                f"tf_als promoted layer {promotion.layer!r} to float32 at step "
+                f"{promotion.step}: {promotion.reason}. Training goes on "
+                "from the same step (tf_als.promoted(model) lists "
+                "promotions).",
+                stacklevel=5,
+            )
+        if outcome.promotions:
+            model.forget_traces()  # The promoted layers trace in float32.
+        if outcome.promotions or first:
+            self.restart(optimizer, model, outcome.scale)
+        return outcome.promotions, outcome.stopped
+
+    def restart(self, optimizer, model, scale) -> None:
+        """Sets the global scale to `scale` (None: where it was before the
+        skips) and forgets the skip counts; the next backward pass of
+        `model` reads the new back-off."""
+        if scale is None:
+            current = float(keras.ops.convert_to_numpy(optimizer.dynamic_scale))
+            scale = min(optimizer.initial_scale, current * 2.0 ** skips.streak(optimizer))
+        optimizer.dynamic_scale.assign(max(scale, MIN_SCALE))
+        optimizer.step_counter.assign(0)
+        skips.reset(optimizer)
+        self.looked_below = float("inf")
+        handoff.schedule(optimizer, model)
+
+    def _first_check(self, optimizer, batches, loss) -> list:
+        """In a custom loop, the first check with batches and the loss, on
+        one of the first two steps, runs the preflight `fit` runs before its
+        first step."""
+        if self.preflown or batches is None or loss is None:
+            return []
+        self.preflown = True
+        models = optimizer.applied_models()
+        step = int(keras.ops.convert_to_numpy(optimizer.iterations))
+        if not optimizer.promote_on_storm or len(models) != 1 or step > 1:
+            return []
+        made, _ = self.preflight(optimizer, models[0], batches, loss, first=step == 0)
+        return list(made)
+
+    def _promote_on_frequent_skips(self, optimizer, batches, loss) -> list:
+        """Half the steps of the window skipped, not in a row (a layer that
+        overflows on some batches): promote, or say once why not."""
+        window = skips.window(optimizer)[0]
+        made, why = self._promote(optimizer, batches, loss)
+        if made:
+            return list(made)
+        self.gave_up_on_window = True
+        steps = skips.window(optimizer)[1]
+        warnings.warn(
+            f"{window} of the last {steps} training steps were skipped "
+            "because their gradients were not finite; the global loss scale "
+            "keeps halving and most gradients may underflow. "
+            + (f"promote_on_storm: {why}. " if why else "")
+            + "Run tf_als.diagnose(model, x, y) on a batch to see where.",
+            stacklevel=4,
+        )
+        return []
+
+    def _promote_below_one(self, optimizer, streak, batches, loss) -> list:
+        """A skip took the global scale below 1: every gradient of the model
+        is now shrunk to serve one, usually a float16 model output that
+        cannot carry the loss's gradient (a float16 softmax under a
+        cross-entropy). Looks for such a layer, the latest batches first,
+        and promotes it; says nothing when there is none (a model whose
+        gradients are large everywhere). Looks again only once the scale
+        has fallen another 2**4."""
+        if streak == 0 or batches is None or loss is None:
+            return []
+        scale = float(keras.ops.convert_to_numpy(optimizer.dynamic_scale))
+        if scale >= min(1.0, self.looked_below / 2.0**4):
+            return []
+        self.looked_below = scale
+        made, _ = self._promote(optimizer, batches, loss)
+        return list(made)
+
+    def _promote(self, optimizer, batches, loss) -> tuple:
+        """(promotions made, why none or not enough) for the skips now:
+        `preflight` on up to `STORM_BATCHES` of `batches`, and the global
+        scale re-calibrated on them."""
+        models = optimizer.applied_models()
+        if not optimizer.promote_on_storm or not models:
+            return (), None
+        if len(models) > 1:
+            names = ", ".join(repr(m.name) for m in models)
+            return (), (
+                f"this optimizer trains several instrumented models ({names}), "
+                "and re-running batches needs one model from inputs to loss"
+            )
+        if batches is None:
+            return (), "no training batches were given to re-run"
+        loss_finite = int(keras.ops.convert_to_numpy(optimizer.first_non_finite)[2])
+        if loss is None and loss_finite != 0:
+            return (), (
+                "the loss was finite at the first skipped step, so the "
+                "backward pass failed, and re-running it needs the loss "
+                "(pass `loss=` and batches of `(x, y)` to check_skips)"
+            )
+        made, why = self.preflight(
+            optimizer, models[0], batches, loss, limit=STORM_BATCHES, first=False
+        )
+        if not made and why is None:
+            why = (
+                "an eager re-run of the training batches found no layer whose "
+                "float16 arithmetic fails (the data may hold NaN or inf, or "
+                "the failing batches or dropout draws differ), so no layer "
+                "was promoted to float32"
+            )
+        if why is not None and made:
+            promoted = ", ".join(repr(p.layer) for p in promote_module.promoted(models[0]))
+            return (), f"{why} (promoted so far: {promoted})"
+        return made, why
+
+
+def _triples_of(batches):
+    """`batches` of `(x, y)` or `(x, y, sample_weight)` as triples."""
+    return lambda: (
+        keras.utils.unpack_x_y_sample_weight(tuple(b)) for b in batches()
+    )
+
+
+def _inputs_only(batches):
+    """Input `batches` as `(x, None, None)` triples."""
+    return lambda: ((x, None, None) for x in batches())
+
+
+def _batch_mean_loss(loss):
+    """`loss(y, y_pred[, sample_weight=])` as `(x, y, y_pred, sample_weight)
+    -> scalar`, reduced to the batch mean as `compile` reduces a
+    per-sample loss."""
+
+    def loss_fn(x, y, y_pred, sample_weight):
+        if sample_weight is None:
+            value = loss(y, y_pred)
+        else:
+            value = loss(y, y_pred, sample_weight=sample_weight)
+        return tf.reduce_mean(tf.cast(value, tf.float32))
+
+    return loss_fn

@@ -1,0 +1,89 @@
+"""What an `AdaptiveLossScaleOptimizer` hands the instrumented models it
+trains: itself (`receive`: the models whose variables an `apply` received
+learn who trains them), and what their next backward pass needs.
+
+The backward pass runs before the optimizer sees the step, so after each
+`apply` (and after a restart, `failures.recovery`) the optimizer writes
+into the model's `state.ScalingState`:
+
+    backoff          max(1, initial_scale / S): a backed-off global
+                     scale S lowers every gradient, and the points judge
+                     amax as if it had not
+    telemetry_next   1 when the next `apply` call records telemetry
+    due              (paper rule) 1 when it updates the scales
+
+from the count of `apply` calls now (`scaling.schedule`: a skipped step
+does not advance it, so its retry is due again).
+"""
+
+import warnings
+
+import tensorflow as tf
+
+from tf_als._src.model import _keras
+from tf_als._src.training import arguments
+from tf_als._src.scaling import schedule as schedule_module
+
+
+def before_apply(optimizer) -> tuple:
+    """Before Keras's apply: (the step the gradients are applied at,
+    whether it records telemetry, whether it updates the scales: always
+    under the amax rule, on update steps under the paper's)."""
+    telemetry_due = due(optimizer, optimizer.telemetry_interval) > 0
+    updates = tf.constant(True)
+    if optimizer.rule == "paper":
+        updates = due(optimizer, optimizer.update_interval) > 0
+    return step(optimizer), telemetry_due, updates
+
+
+def receive(optimizer, models) -> None:
+    """Tells each of `models` (the instrumented models whose variables
+    `optimizer.apply` received) that `optimizer` trains it, and checks
+    that its backward pass uses the optimizer's knobs."""
+    for model in models:
+        model.note_trainer(optimizer)
+        arguments.check_same_knobs(optimizer, model)
+
+
+def warn_not_instrumented(optimizer) -> None:
+    """Warns that `optimizer` applies gradients of no instrumented model
+    (called once per optimizer)."""
+    warnings.warn(
+        f"AdaptiveLossScaleOptimizer {optimizer.name!r} is applying "
+        "gradients of a model that was not instrumented: per-layer scaling "
+        "is off, and this is exactly Keras's LossScaleOptimizer. Instrument "
+        "the model to turn it on: `model = tf_als.instrument(model)` before "
+        "compiling (or before the custom training loop).",
+        stacklevel=3,
+    )
+
+
+def step(optimizer) -> tf.Tensor:
+    """The optimizer step (int64) the gradients of the `apply` call being
+    made are applied (or skipped) at."""
+    return tf.cast(tf.convert_to_tensor(optimizer.iterations), tf.int64)
+
+
+def due(optimizer, interval: int) -> tf.Tensor:
+    """1 (int64) when the `apply` call being made is due for `interval`
+    (`scaling.schedule.due_at`)."""
+    calls = _keras.apply_calls(optimizer.inner_optimizer)
+    accumulation = int(optimizer.inner_optimizer.gradient_accumulation_steps or 1)
+    return schedule_module.due_at(calls, accumulation, interval)
+
+
+def backoff(optimizer) -> tf.Tensor:
+    """max(1, initial global scale / current global scale)."""
+    if not optimizer.built:
+        return tf.constant(1.0)
+    initial = tf.constant(optimizer.initial_scale, tf.float32)
+    return tf.maximum(1.0, initial / tf.convert_to_tensor(optimizer.dynamic_scale))
+
+
+def schedule(optimizer, model) -> None:
+    """Writes what `model`'s next backward pass needs from `optimizer`."""
+    state = model.scaling_state
+    state.backoff.assign(backoff(optimizer))
+    state.telemetry_next.assign(due(optimizer, optimizer.telemetry_interval))
+    if optimizer.rule == "paper":
+        state.due.assign(due(optimizer, optimizer.update_interval))
