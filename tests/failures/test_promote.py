@@ -24,6 +24,7 @@ import tensorflow as tf
 
 import tf_als
 from tf_als._src.failures import forward
+from tf_als._src.monitoring import callbacks as callbacks_module
 from tf_als._src.failures import backward_search
 from tf_als._src.failures import preflight
 from tf_als._src.failures import promote
@@ -538,7 +539,7 @@ def test_scale_history_records_the_promotion(tmp_path):
         os.path.join(log_dir, "tf_als"), size_guidance={event_accumulator.TENSORS: 0}
     )
     run.Reload()
-    (event,) = run.Tensors(tf_als.callbacks.PROMOTIONS_TAG)
+    (event,) = run.Tensors(callbacks_module.PROMOTIONS_TAG)
     assert event.step == 0
     text = tf.make_ndarray(event.tensor_proto).item().decode()
     assert text == f"layer 'hot' promoted to float32 at step 0: {promote.FORWARD}"
