@@ -348,3 +348,34 @@ def test_backup_and_restore_resumes_an_interrupted_fit_exactly(
     assert_identical(start.state, interrupt.backed_up, "after restore")
     assert_identical(full_state(resumed), reference, "resumed vs uninterrupted")
     assert not os.path.exists(backup_dir)  # finished: backup deleted
+
+
+def test_saved_model_save_is_quiet_and_checkpoints_keep_promotions(
+    mixed, tmp_path, capfd, caplog
+):
+    """`tf.saved_model.save` on a model with a promotion prints nothing
+    about the promotions' log (a SavedModel serves the promoted layer's
+    float32 graph and has no use for it; TensorFlow warns about a
+    `PythonState` once per pass over the object graph, six times), while a
+    `tf.train.Checkpoint` still carries the log to a fresh model."""
+    from tf_als._src.failures import promote
+
+    model = build(seed=0)
+    record = dict(layer="hidden", reason=promote.FORWARD, step=3)
+    promote.restore(model, [record])
+    x, _ = data()
+    x = x[BATCH * (INF_BATCH + 1):]  # finite rows
+    capfd.readouterr()
+    with caplog.at_level("WARNING"):
+        tf.saved_model.save(model, str(tmp_path / "saved"))
+    out, err = capfd.readouterr()
+    printed = out + err + caplog.text
+    assert "python values" not in printed, printed[-2000:]
+    served = tf.saved_model.load(str(tmp_path / "saved"))
+    (output,) = served.signatures["serving_default"](tf.constant(x)).values()
+    np.testing.assert_array_equal(output.numpy(), model.predict(x, verbose=0))
+
+    path = tf.train.Checkpoint(model=model).save(str(tmp_path / "ckpt"))
+    fresh = build(seed=1, prefix="fresh_")
+    tf.train.Checkpoint(model=fresh).restore(path).assert_existing_objects_matched()
+    assert fresh.promotion_log.records == [record]

@@ -166,9 +166,11 @@ def test_names_are_layer_paths(mixed):
     assert f"{backbone}/transformer_layer_0" in names
     assert f"{backbone}/transformer_layer_0/self_attention/query" in names
     assert f"{backbone}/transformer_layer_1/feedforward_output_dense" in names
-    # The embedding, called in the backbone and again (reversed) by the head.
+    # The embedding, called in the backbone and again (reversed) by the
+    # task's head, outside the backbone: both calls carry its full path.
     assert f"{backbone}/token_embedding/call_0" in names
-    assert "token_embedding/call_1" in names
+    assert f"{backbone}/token_embedding/call_1" in names
+    assert all(name.startswith(f"{backbone}/") for name in names), names
 
 
 class _Recurrent(keras.layers.Layer):

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -138,3 +139,47 @@ def test_the_instrumented_model_keeps_its_custom_gradients(mixed):
 
     graph = forward.get_concrete_function(tf.constant(x)).graph.as_graph_def()
     assert b"CustomGradient" in graph.SerializeToString()
+
+
+class _Chatty(keras.layers.Layer):
+    """A user's layer that prints whenever its call is traced."""
+
+    def call(self, x):
+        print("chatty layer traced")
+        return x
+
+
+def test_export_prints_its_endpoint_without_a_line_per_variable(mixed, tmp_path, capsys):
+    """Keras's `export` lists every captured variable ("Captures:", one
+    line per weight: 10 here, dozens in a real model); the instrumented
+    model's names its endpoint in one line, and a user's own output while
+    the forward pass is traced still shows."""
+    inputs = keras.Input((8,))
+    x = inputs
+    for _ in range(4):
+        x = keras.layers.Dense(8, activation="relu")(x)
+    x = _Chatty()(x)
+    model = keras.Model(inputs, keras.layers.Dense(2, dtype="float32")(x))
+    instrumented = tf_als.instrument(model)
+    capsys.readouterr()
+    model.export(str(tmp_path / "plain"))
+    keras_says = capsys.readouterr().out
+    assert keras_says.count("dtype=tf.resource") == len(model.weights)  # premise
+    instrumented.export(str(tmp_path / "default"))
+    out = capsys.readouterr().out
+    assert "Captures" not in out and "tf.resource" not in out, out
+    lines = [line for line in out.splitlines() if line != "chatty layer traced"]
+    assert lines == [
+        f"Saved artifact at '{tmp_path / 'default'}', endpoint 'serve': "
+        "(args_0: TensorSpec(shape=(None, 8), dtype=tf.float32, "
+        "name='keras_tensor'), /) -> TensorSpec(shape=(None, 2), "
+        "dtype=tf.float32, name=None)"
+    ]
+    assert "chatty layer traced" in out  # the user's own print
+    instrumented.export(str(tmp_path / "quiet"), verbose=False)
+    assert set(capsys.readouterr().out.splitlines()) == {"chatty layer traced"}
+    x = np.ones((3, 8), "float32")
+    for name in ("plain", "default", "quiet"):
+        artifact = tf.saved_model.load(str(tmp_path / name))  # kept: it owns
+        served = artifact.serve(tf.constant(x))  # the variables `serve` reads
+        np.testing.assert_array_equal(served.numpy(), model.predict(x, verbose=0))

@@ -100,6 +100,21 @@ def test_point_names_follow_layers_and_calls(mixed):
     assert names == expected
 
 
+def test_a_layer_called_again_outside_its_nested_model_keeps_its_path(mixed):
+    """A tied layer (an embedding reused as an output head) called inside a
+    nested model and again by the outer one: both calls are named from the
+    path of its first call."""
+    shared = keras.layers.Dense(8, name="tied")
+    inputs = keras.Input((8,))
+    encoder = keras.Model(inputs, shared(inputs), name="encoder")
+    outer_inputs = keras.Input((8,))
+    x = encoder(outer_inputs)
+    outputs = keras.layers.Dense(2, name="head")(shared(x))
+    model = keras.Model(outer_inputs, outputs, name="outer")
+    names = list(tf_als.scales(tf_als.instrument(model)))
+    assert names == ["encoder/tied/call_0", "encoder/tied/call_1", "head"]
+
+
 def test_weightless_layers_are_not_points(mixed):
     inputs = keras.Input((8,))
     x = layers.Dense(8)(inputs)
@@ -351,3 +366,25 @@ def test_fit_traces_the_train_step_once(mixed, data):
     assert len(traces) == 1
     assert instrumented.optimizer.iterations.numpy() == 2
     assert np.isfinite(history.history["accuracy"]).all()
+
+
+def test_the_summary_says_what_the_scaling_state_row_is(mixed, capsys):
+    _, model = architectures.CASES[5].build_pair()  # shared_layer
+    instrumented = tf_als.instrument(model)
+    points = len(tf_als.points(instrumented))
+    state = instrumented.scaling_state
+    note = (
+        f"scaling_state (ScalingState): not a layer the model calls (no "
+        f"output shape), tf_als's state: the loss scales and records of "
+        f"{points} scaling points, {state.count_params():,} non-trainable "
+        "values saved with the model. tf_als.scales(model) reads the "
+        "scales; tf_als.points(model) lists the points."
+    )
+    printed = []
+    instrumented.summary(print_fn=printed.append)
+    assert len(printed) == 2 and printed[1] == note
+    assert "scaling_state (ScalingState)" in printed[0]  # the row it explains
+    assert f"{state.count_params():,}" in printed[0]
+    capsys.readouterr()
+    instrumented.summary()
+    assert capsys.readouterr().out.rstrip().endswith(note)

@@ -417,3 +417,14 @@ class CheckpointOnly:
             for name in self.checkpoint_only:
                 children.pop(name, None)
         return children
+
+
+def export_input_signature(model) -> list:
+    """The input signature `model.export` serves when given none: from the
+    inputs of a Functional or Sequential model, from the shapes of the
+    first call of a subclassed one. Keras 3.15
+    `keras.src.export.export_utils.get_input_signature`; public: none
+    (`model.export` uses it without exposing it)."""
+    from keras.src.export import export_utils
+
+    return export_utils.get_input_signature(model)

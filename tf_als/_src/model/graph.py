@@ -82,7 +82,10 @@ class Plan:
             `("output", output_index)` or `("loss", call_index)`.
         float_slots: slots whose tensors are floating point (they carry
             gradients; the others never do).
-        point_names: deterministic name of each scaling point.
+        point_names: deterministic name of each scaling point: the
+            layer's full path (the nested models enclosing its first call,
+            outermost first, then its name), with `/call_<i>` appended for
+            a layer called more than once.
         point_calls: the call index of each scaling point.
     """
 
@@ -282,9 +285,10 @@ class _Builder:
         return self.walk(inner, entered, scope + (model.name,), training)
 
     def finish(self, model, input_slots, output_slots):
-        counts = {}
+        counts, homes = {}, {}
         for spec in self.calls:
             counts[id(spec["operation"])] = counts.get(id(spec["operation"]), 0) + 1
+            homes.setdefault(id(spec["operation"]), spec["scope"])
         seen = {}
         calls, names, point_calls = [], [], []
         consumers = {}
@@ -295,7 +299,10 @@ class _Builder:
             point = None
             if spec["kind"] == LAYER and _owns_weights(operation):
                 point = len(names)
-                name = "/".join(spec["scope"] + (operation.name,))
+                # Every call of a layer is named from the same path, its
+                # first call's (a tied embedding called again by an outer
+                # model's head stays under its backbone's name).
+                name = "/".join(homes[id(operation)] + (operation.name,))
                 if counts[id(operation)] > 1:
                     name += f"/call_{ordinal}"
                 names.append(name)

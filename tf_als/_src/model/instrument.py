@@ -9,6 +9,7 @@ from typing import Optional
 
 import keras
 import tensorflow as tf
+from absl import logging as absl_logging
 from keras import tree
 
 from tf_als._src.model import _keras
@@ -118,9 +119,11 @@ def scales(model: keras.Model) -> dict[str, float]:
     """The current per-layer scale of every scaling point of an instrumented
     model, as `{point name: float}` in execution order.
 
-    Point names are the layer's name, prefixed by the names of enclosing
-    nested models (`"encoder/dense"`), with `"/call_<i>"` appended for a
-    layer called more than once.
+    Point names are the layer's full path: its name, prefixed by the
+    names of the nested models around its first call (`"encoder/dense"`),
+    with `"/call_<i>"` appended for a layer called more than once (every
+    call from that same path: a tied embedding that a task's head calls
+    again is `"backbone/token_embedding/call_1"`).
 
     Raises:
         TypeError: `model` was not returned by `tf_als.instrument`.
@@ -185,7 +188,7 @@ def _require_instrumented(model, what):
 
 
 @keras.saving.register_keras_serializable(package="tf_als")
-class InstrumentedModel(keras.Model):
+class InstrumentedModel(_keras.CheckpointOnly, keras.Model):
     """A model run with per-layer adaptive loss scales.
 
     Made by `tf_als.instrument(model)`; see there. It shares `model`'s layers
@@ -199,6 +202,10 @@ class InstrumentedModel(keras.Model):
         model: the built model to instrument.
         **kwargs: `keras.Model` arguments (`name`, ...).
     """
+
+    # The promotions' log serves checkpoints only: a SavedModel keeps the
+    # promoted layers' float32 computation in its graph.
+    checkpoint_only = ("promotion_log",)
 
     def __init__(self, model: keras.Model, float32_outputs: bool = False, **kwargs):
         _check_flag("float32_outputs", float32_outputs)
@@ -224,9 +231,7 @@ class InstrumentedModel(keras.Model):
         self._inner = tuple(enumerate(inner, start=len(plan.point_names)))
         names = list(plan.point_names) + [i.name for i in inner]
         self.scaling_state = state.ScalingState(names, name="scaling_state")
-        for i in inner:
-            if i.parent is not None:  # Not the root of a subclassed model.
-                hooks.install(i.layer)
+        _hook(self, inner)
         _warn_closed(self)
         # The weight gradients its backward passes unscale, for the
         # optimizer that divides them by S (`unscaled`).
@@ -490,6 +495,28 @@ class InstrumentedModel(keras.Model):
     def _compiled_loss(self, y, y_pred, sample_weight=None):
         return self.compute_loss(y=y, y_pred=y_pred, sample_weight=sample_weight)
 
+    def summary(
+        self,
+        line_length=None,
+        positions=None,
+        print_fn=None,
+        expand_nested=False,
+        show_trainable=False,
+        layer_range=None,
+    ):
+        """`keras.Model.summary`, and a line after the table saying what
+        its `scaling_state` row is: tf_als's state, which the model never
+        calls (so Keras shows its output shape as `?`)."""
+        super().summary(
+            line_length=line_length,
+            positions=positions,
+            print_fn=print_fn,
+            expand_nested=expand_nested,
+            show_trainable=show_trainable,
+            layer_range=layer_range,
+        )
+        (print_fn or _print)(_state_note(self.scaling_state))
+
     def export(
         self, filepath, format="tf_saved_model", verbose=None, input_signature=None, **kwargs
     ):
@@ -497,6 +524,12 @@ class InstrumentedModel(keras.Model):
         model's layers and weights and computes the same outputs, bit for
         bit: scaling points exist for training only, so the artifact has
         no custom gradients and loads without tf_als.
+
+        A SavedModel (the default format) is written as `model.export`
+        writes it, endpoint `serve`; with `verbose` None or True, one line
+        names the endpoint and its signature (Keras adds a line per
+        captured variable: dozens for a real model), False prints nothing.
+        Other formats are the original model's `export` as it is.
 
         Example:
 
@@ -507,13 +540,26 @@ class InstrumentedModel(keras.Model):
         reloaded.serve(x)                          # == model.predict(x)
         ```
         """
-        return self.model.export(
-            filepath,
-            format=format,
-            verbose=verbose,
-            input_signature=input_signature,
-            **kwargs,
+        if format != "tf_saved_model":
+            return self.model.export(
+                filepath,
+                format=format,
+                verbose=verbose,
+                input_signature=input_signature,
+                **kwargs,
+            )
+        if input_signature is None:
+            input_signature = _keras.export_input_signature(self.model)
+        archive = keras.export.ExportArchive()
+        endpoint = archive.track_and_add_endpoint(
+            "serve", self.model, input_signature, **kwargs
         )
+        archive.write_out(filepath, verbose=False)
+        if verbose is None or verbose:
+            signature = endpoint.get_concrete_function().pretty_printed_signature(
+                verbose=False
+            )
+            _print(f"Saved artifact at '{filepath}', endpoint 'serve': {signature}")
 
     @property
     def _default_save_signature(self):
@@ -580,6 +626,49 @@ def _points_of(model) -> tuple:
     _check_inner(inner)
     own_steps.check(model)
     return plan, inner
+
+
+def _hook(model, inner) -> tuple:
+    """Hooks the layers of `inner` (`hooks.install`) for `model`, except a
+    subclassed model's root, which `call` runs itself. The hooks come off
+    (`hooks.uninstall`) when `model` is garbage collected, leaving layers
+    that no other instrumented model hooks exactly as they were; a model
+    whose scaling points were traced into a `tf.function` is never
+    collected (TensorFlow's gradient registry keeps every traced
+    `tf.custom_gradient`), and its hooks then stay, calling the layer's own
+    `call` whenever no scaling point of it runs."""
+    token = object()  # The model cannot own its hooks: a finalizer may not
+    # hold the model itself.
+    layers = tuple(
+        i.layer for i in inner
+        if i.parent is not None and hooks.install(i.layer, token)
+    )
+    weakref.finalize(model, _unhook, layers, token)
+    return layers
+
+
+def _unhook(layers, token):
+    for layer in layers:
+        hooks.uninstall(layer, token)
+
+
+def _state_note(state) -> str:
+    return (
+        f"{state.name} ({type(state).__name__}): not a layer the model calls "
+        f"(no output shape), tf_als's state: the loss scales and records of "
+        f"{len(state.point_names)} scaling points, {state.count_params():,} "
+        "non-trainable values saved with the model. tf_als.scales(model) "
+        "reads the scales; tf_als.points(model) lists the points."
+    )
+
+
+def _print(message):
+    """Prints `message` as Keras prints its own messages: to stdout, or to
+    the log when `keras.config.disable_interactive_logging()` was called."""
+    if keras.config.is_interactive_logging_enabled():
+        print(message)
+    else:
+        absl_logging.info(message)
 
 
 def _check_flag(name, value):
