@@ -23,7 +23,6 @@ from tf_als._src.model import composite
 from tf_als._src.failures import forward
 from tf_als._src.failures import locate
 from tf_als._src.scaling import rule
-from tf_als._src.training import update
 from tf_als._src.model.instrument import InstrumentedModel
 from tf_als._src.training.optimizer import AdaptiveLossScaleOptimizer
 
@@ -258,7 +257,7 @@ def diagnose(model, x, y, loss=None, *, training=True, verbose=True) -> Diagnosi
     with _same_randomness(source) as rewind:
         batch = _Batch(x, y, loss_fn, training, rewind)
         with _keras.dtype_policy(layers, "float32"):
-            expected, loss32 = _gradients(source, variables, batch)
+            expected, loss32 = _gradient_pass(source, variables, batch)()
         mixed = None if _computes_in_float16(layers) else "mixed_float16"
         with _keras.dtype_policy(layers, mixed):
             diagnosis = _compare(source, variables, batch, expected, loss32)
@@ -302,24 +301,16 @@ def _same_randomness(model):
 
 
 def _compare(source, variables, batch, expected, loss32):
-    def keras_gradients(scale):
-        return _gradients(source, variables, batch, scale)
-
+    """The float16 runs: Keras's loss scaling and tf_als, each traced once
+    and re-run at each lower scale until its gradients are finite."""
+    keras_gradients = _gradient_pass(source, variables, batch)
     (keras_grads, loss16), keras_scale = _until_finite(keras_gradients)
 
-    def als_gradients(scale, max_layer_scale=2.0**15):
-        instrumented = InstrumentedModel(source)
-        optimizer = AdaptiveLossScaleOptimizer(
-            keras.optimizers.SGD(0.0),
-            initial_scale=scale,
-            max_layer_scale=max_layer_scale,
-        )
-        grads, value = _gradients(
-            instrumented, instrumented.trainable_variables, batch, scale, optimizer
-        )
-        return grads, value, instrumented
-
-    (als_grads, _, instrumented), als_scale = _until_finite(als_gradients)
+    instrumented = InstrumentedModel(source)
+    als_gradients = _gradient_pass(
+        instrumented, instrumented.trainable_variables, batch, _scaling_config()
+    )
+    (als_grads, _, als_state), als_scale = _until_finite(als_gradients)
 
     non_finite = None
     if not np.isfinite(loss32):
@@ -333,11 +324,17 @@ def _compare(source, variables, batch, expected, loss32):
     elif keras_scale != START_SCALE:
         # Replay Keras's first step through scaling points held at 1, which
         # record where the gradient stops being finite.
-        probe_grads, _, probe = als_gradients(START_SCALE, max_layer_scale=1.0)
-        non_finite = _locate_non_finite(probe, probe_grads)
+        probe = _gradient_pass(
+            instrumented, instrumented.trainable_variables, batch,
+            _scaling_config(max_layer_scale=1.0),
+        )
+        probe_grads, _, probe_state = probe(START_SCALE)
+        non_finite = _locate_non_finite(instrumented, probe_grads, probe_state)
 
     present = [g is not None for g in expected]
-    rows = tuple(_rows(instrumented, present, expected, keras_grads, als_grads))
+    rows = tuple(
+        _rows(instrumented, als_state, present, expected, keras_grads, als_grads)
+    )
     overflow = None
     if non_finite is None and _mostly_flushed(rows):
         overflow = _forward_overflow(source, batch, loss16, loss32)
@@ -349,6 +346,14 @@ def _compare(source, variables, batch, expected, loss32):
         no_gradient=tuple(v.path for v, p in zip(variables, present) if not p),
         forward_overflow=overflow,
     )
+
+
+def _scaling_config(max_layer_scale=2.0**15):
+    """The per-layer scaling knobs of a default `AdaptiveLossScaleOptimizer`
+    with `max_layer_scale`."""
+    return AdaptiveLossScaleOptimizer(
+        keras.optimizers.SGD(0.0), max_layer_scale=max_layer_scale
+    ).scaling_config
 
 
 def _loss_function(model, loss):
@@ -369,44 +374,88 @@ def _computes_in_float16(layers):
     )
 
 
-def _gradients(model, variables, batch, scale=1.0, optimizer=None):
-    """(the scaled gradients of one batch divided by `scale`, the loss),
-    with `optimizer`'s per-layer scales, which the points choose from the
-    very gradients they scale (the pass's choices and statistics are
-    written into the model's state, as `apply` would write them);
-    computed in a `tf.function` as `fit` computes them (on some CPUs
-    TensorFlow's graph kernels round float16 differently from its eager
-    ones), from the random state `batch.rewind()` restores. A variable the
-    loss does not reach has None."""
-    if optimizer is not None:
-        model.scaling_config = optimizer.scaling_config
+def _gradient_pass(model, variables, batch, config=None):
+    """`run(scale)`: `(the scaled gradients of one batch divided by scale,
+    the loss)`, computed in a `tf.function` as `fit` computes them (on
+    some CPUs TensorFlow's graph kernels round float16 differently from
+    its eager ones) from the random state `batch.rewind()` restores. A
+    variable the loss does not reach has None. The function is traced
+    once: the scale is an argument, so a retry at a lower scale re-runs
+    the graph without tracing it again.
+
+    With `config` (a `ScalingConfig`), `model` is instrumented and its
+    points choose their scales with those knobs from the very gradients
+    they scale; `run` then also returns each point's row as
+    `ScalingPoint.read()` would give it after `apply` wrote the pass
+    (`_point_rows`). Nothing is written into the model's state, so every
+    run starts from the state the model was made with."""
     loss_fn, training = batch.loss_fn, batch.training
+    points = []  # The points the pass reached, in the order of `chosen`.
 
     @tf.function
-    def compute(x, y):
+    def compute(x, y, scale):
+        if config is not None:
+            model.scaling_config = config  # The knobs the points trace with.
         with tf.GradientTape() as tape:
             # A loss given by name is Keras's per-sample function: reduce
             # it as compile() would (a Loss object's scalar is kept as is).
             value = tf.reduce_mean(
                 tf.cast(loss_fn(y, model(x, training=training)), tf.float32)
             )
-            if optimizer is not None:
-                scaled = optimizer.scale_loss(value)
-            else:
-                scaled = value * scale
+            # Keras's scale_loss (and an unbuilt AdaptiveLossScaleOptimizer's)
+            # multiplies by S in float32, as here.
+            scaled = value * scale
         grads = tape.gradient(scaled, variables)
-        if optimizer is not None:
-            update.write_pass(
-                model, tf.constant(0, tf.int64), tf.constant(True),
-                tf.constant(True), optimizer.scaling_config,
-            )
-        return [None if g is None else tf.convert_to_tensor(g) for g in grads], value
+        grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
+        if config is None:
+            return grads, value
+        records = model.pass_record.latest()
+        points[:] = sorted(records)
+        chosen = _stacked([records[p].scale for p in points])
+        scale_out = _stacked([records[p].scale_out for p in points])
+        amax = _stacked([records[p].amax for p in points])
+        return grads, value, (chosen, chosen * scale_out, amax)
 
-    batch.rewind()
-    with _quiet_retracing():
-        grads, value = compute(batch.x, batch.y)
-    grads = [None if g is None else np.asarray(g, np.float64) / scale for g in grads]
-    return grads, float(value)
+    def run(scale=1.0):
+        batch.rewind()
+        with _quiet_retracing():
+            result = compute(batch.x, batch.y, tf.constant(scale, tf.float32))
+        grads = [
+            None if g is None else np.asarray(g, np.float64) / scale
+            for g in result[0]
+        ]
+        if config is None:
+            return grads, float(result[1])
+        return grads, float(result[1]), _point_rows(model, points, *result[2])
+
+    return run
+
+
+def _stacked(values):
+    """float32 [len(values)] (empty when there are none)."""
+    if not values:
+        return tf.zeros([0], tf.float32)
+    return tf.stack([tf.cast(v, tf.float32) for v in values])
+
+
+def _point_rows(model, points, chosen, scale_in, amax) -> list:
+    """Every point's `ScalingPoint.read()` values, as `update.write_pass`
+    would leave them after a pass that reached `points` with these
+    `chosen` scales, `scale_in` (T_in) and incoming `amax`es: those
+    fields of the reached points from the pass, everything else as the
+    model's state holds it (one read). Diagnose needs only these three
+    fields, so the pass computes no telemetry (a tally of every point's
+    gradient, most of the instrumented pass's graph)."""
+    rows = [values for values, _ in model.scaling_state.read()]
+    columns = [np.asarray(c) for c in (chosen, scale_in, amax)]
+    for i, point in enumerate(points):
+        rows[point] = dict(
+            rows[point],
+            scale=float(columns[0][i]),
+            cumulative_scale=float(columns[1][i]),
+            amax=float(columns[2][i]),
+        )
+    return rows
 
 
 @contextlib.contextmanager
@@ -462,13 +511,15 @@ def _relative_error(gradient, reference):
     return float(np.linalg.norm(gradient - reference) / norm) if norm else 0.0
 
 
-def _rows(instrumented, present, expected, keras_grads, als_grads):
+def _rows(instrumented, states, present, expected, keras_grads, als_grads):
     """A row per scaling point with weight gradients of its own: every
-    weighted layer, inside opened composites too. Variables without a
-    gradient are left out (`Diagnosis.no_gradient` lists them)."""
+    weighted layer, inside opened composites too, `states` holding each
+    point's `ScalingPoint.read()` values. Variables without a gradient are
+    left out (`Diagnosis.no_gradient` lists them)."""
     index = {id(v): i for i, v in enumerate(instrumented.model.trainable_variables)}
     rows = []
-    for point, layer in zip(instrumented.scaling_points, instrumented.point_layers):
+    points = zip(instrumented.scaling_points, instrumented.point_layers, states)
+    for point, layer, state in points:
         positions = [
             index[id(v)]
             for v in composite.point_weights(layer)
@@ -480,7 +531,6 @@ def _rows(instrumented, present, expected, keras_grads, als_grads):
         def pick(grads):
             return [np.ravel(grads[i]) for i in positions]
 
-        state = point.read()
         rows.append(
             LayerReport(
                 point=point.point_name,
@@ -660,16 +710,16 @@ def _name(layer) -> str:
     return getattr(layer, "path", None) or layer.name
 
 
-def _locate_non_finite(probe, grads):
+def _locate_non_finite(probe, grads, states):
     """Names the first scaling point, walking from the loss, whose incoming
     gradient is finite but whose own backward pass produced non-finite
-    values (`locate`), from a probe pass that recorded each point's
-    incoming amax."""
+    values (`locate`), from a probe pass of the instrumented model `probe`
+    whose `states` (`_point_rows`) hold each point's incoming amax."""
     plan = probe.plan
     index = {id(v): i for i, v in enumerate(probe.model.trainable_variables)}
     incoming = {
-        call_index: bool(np.isfinite(point.read()["amax"]))
-        for point, call_index in zip(probe.scaling_points, plan.point_calls)
+        call_index: bool(np.isfinite(values["amax"]))
+        for values, call_index in zip(states, plan.point_calls)
     }
 
     def weights_finite(call_index):
