@@ -14,6 +14,8 @@ compile time once, so `[points]` variables cost what a few per-point ones
 did.
 """
 
+import types
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -38,10 +40,10 @@ VARIABLES = (
 # `_OLD_RECORD_FIELDS` columns (no forward headroom). 0.3: no
 # `zero_gradient_steps`. 0.2: `measured` and `pending` before `due`, no
 # `backoff`.
-_OLD_LAYOUTS = {
+_OLD_LAYOUTS = types.MappingProxyType({
     6: VARIABLES[:6],
     7: ("scales", "records", "histograms", "last_updates", None, None, "due"),
-}
+})
 _OLD_RECORD_FIELDS = len(RECORD_FIELDS) - len(FORWARD_FIELDS)
 
 
