@@ -6,6 +6,8 @@ file. Drawn for this module: each glyph is 8 rows of 5 cells, `#` on,
 Pure numpy; `render` returns a boolean mask that a caller paints.
 """
 
+import types
+
 import numpy as np
 
 GLYPH_WIDTH = 5
@@ -13,7 +15,7 @@ GLYPH_HEIGHT = 8
 SPACING = 1
 """Blank columns between two glyphs."""
 
-_GLYPHS = {
+_GLYPHS = types.MappingProxyType({
     " ": "..... ..... ..... ..... ..... ..... ..... .....",
     "!": "..#.. ..#.. ..#.. ..#.. ..#.. ..... ..#.. .....",
     '"': ".#.#. .#.#. .#.#. ..... ..... ..... ..... .....",
@@ -109,12 +111,15 @@ _GLYPHS = {
     "|": "..#.. ..#.. ..#.. ..#.. ..#.. ..#.. ..#.. .....",
     "}": "##... ..#.. ..#.. ...## ..#.. ..#.. ##... .....",
     "~": "..... ..... .#... #.#.# ...#. ..... ..... .....",
-}
+})
 
-_MASKS = {
-    char: np.array([[c == "#" for c in row] for row in rows.split()], bool)
-    for char, rows in _GLYPHS.items()
-}
+def _mask(rows: str) -> np.ndarray:
+    mask = np.array([[c == "#" for c in row] for row in rows.split()], bool)
+    mask.setflags(write=False)
+    return mask
+
+
+_MASKS = types.MappingProxyType({char: _mask(rows) for char, rows in _GLYPHS.items()})
 
 
 def text_width(text: str, scale: int = 1) -> int:
