@@ -7,6 +7,16 @@ optimizer finds the models whose scales it must update from the variables
 it applies: every `tf_als.InstrumentedModel` registers here when it is
 made, held weakly (a dropped model leaves), and `owning` matches by
 variable identity. Nothing depends on which model or optimizer ran last.
+
+Why module state, when tf_als keeps none elsewhere: the variables are the
+only link between an optimizer and the models it trains. In a custom loop
+or a GAN's `train_step` the model is never compiled with the optimizer and
+no tf_als call names both, so no object the caller makes could hold the
+registry and reach both sides; a registry held per optimizer would need
+each model to know its optimizers beforehand, the "which optimizer drives
+this model" state the design rules out. What is kept here is an index of
+live objects, not training state: weak, so it never keeps a model alive,
+read-only for the optimizer, and the same in every thread and replica.
 """
 
 import itertools
