@@ -13,7 +13,10 @@ import os
 # stay (`TF_CPP_MIN_LOG_LEVEL=2 python -m tf_als.demo` hides most of them),
 # and the demo holds back the known-harmless ones it logs later
 # (`tf_als._src.demo.quiet`).
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# Only when run as the program: importing this module leaves the caller's
+# environment alone.
+if __name__ == "__main__":
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from tf_als._src.demo.demo import main  # noqa: E402
 

@@ -28,6 +28,7 @@ import math
 import os
 import sys
 import time
+import types
 import warnings
 
 _TF_ALS_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -35,11 +36,11 @@ _TF_ALS_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(_
 MODELS = ("deep-sigmoid", "cnn", "sigmoid-mlp")
 RUNS = ("float32", "keras", "tf_als")
 PARTS = ("underflow", "failure")
-RUN_TITLES = {
+RUN_TITLES = types.MappingProxyType({
     "float32": "float32",
     "keras": "float16, Keras LossScaleOptimizer",
     "tf_als": "float16, tf_als",
-}
+})
 
 
 # The demo trains a few hundred steps: with Keras's default momentum 0.99
@@ -53,11 +54,21 @@ BN_MOMENTUM = 0.9
 # 3% error); at 20, 79% (measured on digits, seed 0).
 DEEP_SIGMOID_LAYERS = 20
 
+# The underflow part trains with XLA, as Keras does on a GPU: on the CPU,
+# TensorFlow's own float16 kernels are slow (deep-sigmoid, measured in one
+# process with time.process_time: Keras 269 ms of CPU a step without XLA,
+# 10 with it; tf_als 323 and 14, after 21 s and 44 s of compilation). The
+# gradients the table compares come from `tf_als.diagnose`, without XLA.
+# `--quick` (8 steps) compiles without it: there compilation is the cost.
+UNDERFLOW_XLA = True
+
 # The price model: Adam at 3.0 (its output weights must reach the
 # hundreds of thousands), cosine-decayed to 1% of that over the run so the
 # final weights have settled; batches of 32.
 PRICE_LEARNING_RATE = 3.0
 PRICE_BATCH = 32
+# Epochs of the failure part: 24 steps each.
+FAILURE_EPOCHS = 15
 
 # How close tf_als's held-out result must come to float32's for the
 # closing sentences to call it "float32's": the demo's test asserts it too.
@@ -158,9 +169,9 @@ class _StepCounter:
         return StepCounter()
 
 
-def _fit(run, model, inner, data, *, loss, epochs, batch_size, log_dir, args):
+def _fit(run, model, inner, data, *, loss, epochs, batch_size, log_dir, args, jit_compile="auto"):
     """Compiles and fits one run. Returns (the trained model, its optimizer,
-    the step counter, a ScaleHistory or None)."""
+    the step counter, a ScaleHistory or None, tf_als's warnings)."""
     import keras
 
     import tf_als
@@ -180,7 +191,9 @@ def _fit(run, model, inner, data, *, loss, epochs, batch_size, log_dir, args):
     callbacks = [keras.callbacks.TensorBoard(log_dir), counter]
     if history is not None:
         callbacks.insert(0, history)
-    model.compile(optimizer=optimizer, loss=loss, metrics=_metrics(data))
+    model.compile(
+        optimizer=optimizer, loss=loss, metrics=_metrics(data), jit_compile=jit_compile
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UserWarning)
         model.fit(
@@ -251,6 +264,7 @@ def run_underflow(run, data, initial, args, log_root):
         run, model, keras.optimizers.Adam(args.learning_rate), data,
         loss=loss, epochs=args.epochs, batch_size=args.batch_size,
         log_dir=os.path.join(log_root, "underflow", run), args=args,
+        jit_compile=UNDERFLOW_XLA and not args.quick,
     )
     test_loss, accuracy = model.evaluate(data.x_test, data.y_test, verbose=0)
     layers = layer_precision(run, model, data, args, loss)
@@ -453,49 +467,8 @@ def failure_summary(results):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        prog="python -m tf_als.demo",
-        description="Train two small models in float32, in float16 with "
-        "Keras's LossScaleOptimizer and in float16 with tf_als, and compare "
-        "them: 'underflow' (gradients one global loss scale flushes) and "
-        "'failure' (a layer float16 cannot compute).",
-    )
-    parser.add_argument("--parts", choices=PARTS + ("both",), default="both",
-                        help="which problems to run (default both)")
-    parser.add_argument("--model", choices=MODELS, default="deep-sigmoid",
-                        help="the underflow part's model. deep-sigmoid "
-                        "(default): 20 sigmoid layers that also read the "
-                        "input; it trains well, and its first layers' "
-                        "gradients span more than one float16 loss scale can "
-                        "hold. cnn: a small conv net with batch "
-                        "normalisation, which one global scale serves. "
-                        "sigmoid-mlp: 16 plain sigmoid layers (the textbook "
-                        "vanishing-gradient network; it barely trains, in "
-                        "float32 too)")
-    parser.add_argument("--dataset", choices=("digits", "mnist"), default="digits",
-                        help="the underflow part's data: digits ships with "
-                        "scikit-learn (default); mnist reads a local "
-                        "mnist.npz (see --data-path)")
-    parser.add_argument("--data-path", default=None,
-                        help="mnist.npz for --dataset mnist (default "
-                        "~/.keras/datasets/mnist.npz); never downloaded")
-    parser.add_argument("--epochs", type=int, default=20,
-                        help="the underflow part's training epochs (default "
-                        "20; the failure part trains 15)")
-    parser.add_argument("--batch-size", type=int, default=64,
-                        help="the underflow part's batch size (default 64)")
-    parser.add_argument("--learning-rate", type=float, default=1e-3,
-                        help="the underflow part's Adam learning rate (default 1e-3)")
-    parser.add_argument("--telemetry-interval", type=int, default=100,
-                        help="steps between tf_als telemetry records (default 100)")
-    parser.add_argument("--output-dir", default="tf_als_runs",
-                        help="where logs, plot and results go (default ./tf_als_runs)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    parser.add_argument("--quick", action="store_true",
-                        help="a few seconds of training on a subset, for tests")
-    parser.add_argument("--verbose", type=int, choices=(0, 1, 2), default=0,
-                        help="Keras fit verbosity: 0 one line per run "
-                        "(default), 1 progress bars, 2 one line per epoch")
+    """The demo's options (`python -m tf_als.demo --help`)."""
+    parser = _parser()
     args = parser.parse_args(argv)
     for name in ("epochs", "batch_size", "telemetry_interval"):
         if getattr(args, name) < 1:
@@ -505,9 +478,48 @@ def parse_args(argv=None):
     return args
 
 
-# Epochs of the failure part: 24 steps each; the held-out R2 of float32
-# and tf_als has settled by then.
-FAILURE_EPOCHS = 15
+def _parser():
+    parser = argparse.ArgumentParser(
+        prog="python -m tf_als.demo",
+        description="Train two small models in float32, in float16 with "
+        "Keras's LossScaleOptimizer and in float16 with tf_als, and compare "
+        "them: 'underflow' (gradients one global loss scale flushes) and "
+        "'failure' (a layer float16 cannot compute).",
+    )
+    add = parser.add_argument
+    add("--parts", choices=PARTS + ("both",), default="both",
+        help="which problems to run (default both)")
+    add("--model", choices=MODELS, default="deep-sigmoid",
+        help="the underflow part's model. deep-sigmoid (default): 20 sigmoid "
+        "layers that also read the input; it trains well, and its first "
+        "layers' gradients span more than one float16 loss scale can hold. "
+        "cnn: a small conv net with batch normalisation, which one global "
+        "scale serves. sigmoid-mlp: 16 plain sigmoid layers (the textbook "
+        "vanishing-gradient network; it barely trains, in float32 too)")
+    add("--dataset", choices=("digits", "mnist"), default="digits",
+        help="the underflow part's data: digits ships with scikit-learn "
+        "(default); mnist reads a local mnist.npz (see --data-path)")
+    add("--data-path", default=None,
+        help="mnist.npz for --dataset mnist (default "
+        "~/.keras/datasets/mnist.npz); never downloaded")
+    add("--epochs", type=int, default=20,
+        help="the underflow part's training epochs (default 20; the failure "
+        f"part trains {FAILURE_EPOCHS})")
+    add("--batch-size", type=int, default=64,
+        help="the underflow part's batch size (default 64)")
+    add("--learning-rate", type=float, default=1e-3,
+        help="the underflow part's Adam learning rate (default 1e-3)")
+    add("--telemetry-interval", type=int, default=100,
+        help="steps between tf_als telemetry records (default 100)")
+    add("--output-dir", default="tf_als_runs",
+        help="where logs, plot and results go (default ./tf_als_runs)")
+    add("--seed", type=int, default=0, help="random seed (default 0)")
+    add("--quick", action="store_true",
+        help="a few seconds of training on a subset, for tests")
+    add("--verbose", type=int, choices=(0, 1, 2), default=0,
+        help="Keras fit verbosity: 0 one line per run (default), 1 progress "
+        "bars, 2 one line per epoch")
+    return parser
 
 
 def main(argv=None):
@@ -520,62 +532,79 @@ def main(argv=None):
 
 
 def _main(args):
-    import keras
-
-    from tf_als._src.demo import datasets
-    from tf_als._src.monitoring import plots
-
     parts = PARTS if args.parts == "both" else (args.parts,)
     os.makedirs(args.output_dir, exist_ok=True)
     log_root = os.path.join(args.output_dir, "tensorboard")
-    results, texts, history, plot_path = {}, [], None, None
+    results, texts, history = {}, [], None
     if "underflow" in parts:
-        data = datasets.load(args.dataset, args.data_path)
-        if args.quick:
-            args.epochs = 2
-            data = datasets.Dataset(
-                data.name, data.x_train[:256], data.y_train[:256],
-                data.x_test[:128], data.y_test[:128], data.classes,
-            )
-        print(
-            f"underflow: {args.model} on {data.name}, {len(data.x_train)} "
-            f"training and {len(data.x_test)} test samples, {args.epochs} "
-            f"epochs, batch {args.batch_size}", flush=True,
-        )
-        initial = _initial_weights(
-            lambda: build_model(args.model, data.x_train.shape[1:], data.classes), args
-        )
-        results["underflow"] = {}
-        for run in RUNS:
-            result, run_history = run_underflow(run, data, initial, args, log_root)
-            results["underflow"][run] = result
-            history = run_history or history
-            print(progress("underflow", run, result), flush=True)
+        results["underflow"], history = _underflow_part(args, log_root)
         texts.append((underflow_table(results["underflow"]), underflow_summary(results["underflow"])))
     if "failure" in parts:
-        data = datasets.prices(seed=args.seed)
-        epochs = 2 if args.quick else FAILURE_EPOCHS
-        print(
-            f"failure: price regression, {len(data.x_train)} training and "
-            f"{len(data.x_test)} test houses, {epochs} epochs, batch {PRICE_BATCH}",
-            flush=True,
-        )
-        initial = _initial_weights(lambda: build_price_model(data.x_train.shape[1]), args)
-        results["failure"] = {}
-        for run in RUNS:
-            result = run_failure(run, data, initial, args, log_root, epochs)
-            results["failure"][run] = result
-            print(progress("failure", run, result), flush=True)
+        results["failure"] = _failure_part(args, log_root)
         texts.append((failure_table(results["failure"]), failure_summary(results["failure"])))
-    keras.mixed_precision.set_global_policy("float32")
+    _write(args, results, texts, history, log_root)
+    return results
 
+
+def _underflow_part(args, log_root):
+    from tf_als._src.demo import datasets
+
+    data = datasets.load(args.dataset, args.data_path)
+    if args.quick:
+        args.epochs = 2
+        data = datasets.Dataset(
+            data.name, data.x_train[:256], data.y_train[:256],
+            data.x_test[:128], data.y_test[:128], data.classes,
+        )
+    print(
+        f"underflow: {args.model} on {data.name}, {len(data.x_train)} "
+        f"training and {len(data.x_test)} test samples, {args.epochs} "
+        f"epochs, batch {args.batch_size}", flush=True,
+    )
+    initial = _initial_weights(
+        lambda: build_model(args.model, data.x_train.shape[1:], data.classes), args
+    )
+    results, history = {}, None
+    for run in RUNS:
+        results[run], run_history = run_underflow(run, data, initial, args, log_root)
+        history = run_history or history
+        print(progress("underflow", run, results[run]), flush=True)
+    return results, history
+
+
+def _failure_part(args, log_root):
+    from tf_als._src.demo import datasets
+
+    data = datasets.prices(seed=args.seed)
+    epochs = 2 if args.quick else FAILURE_EPOCHS
+    print(
+        f"failure: price regression, {len(data.x_train)} training and "
+        f"{len(data.x_test)} test houses, {epochs} epochs, batch {PRICE_BATCH}",
+        flush=True,
+    )
+    initial = _initial_weights(lambda: build_price_model(data.x_train.shape[1]), args)
+    results = {}
+    for run in RUNS:
+        results[run] = run_failure(run, data, initial, args, log_root, epochs)
+        print(progress("failure", run, results[run]), flush=True)
+    return results
+
+
+def _write(args, results, texts, history, log_root):
+    """Writes the tables, the JSON and the plot, and prints the tables,
+    what they show and where everything went."""
+    import keras
+
+    from tf_als._src.monitoring import plots
+
+    keras.mixed_precision.set_global_policy("float32")
+    plot_path = None
     if history is not None:
         plot_path = os.path.join(args.output_dir, "tf_als_scales.png")
         plots.plot_history(history, plot_path)
-    markdown = "\n\n".join(table for table, _ in texts)
     results_md = os.path.join(args.output_dir, "results.md")
     with open(results_md, "w") as handle:
-        handle.write(markdown + "\n")
+        handle.write("\n\n".join(table for table, _ in texts) + "\n")
     with open(os.path.join(args.output_dir, "results.json"), "w") as handle:
         json.dump({"args": vars(args), "results": results}, handle, indent=2)
     for table, summary in texts:
@@ -584,7 +613,6 @@ def _main(args):
     print(f"TensorBoard: tensorboard --logdir {log_root}")
     if plot_path:
         print(f"tf_als's per-layer scales over the underflow run: {plot_path}")
-    return results
 
 
 if __name__ == "__main__":
