@@ -328,3 +328,109 @@ def test_rule_usage_finder_sees_attribute_reads():
     """Guards the test above: `rule.x(...)` and a bare `y(...)` count."""
     tree = ast.parse("def f(g):\n    return rule.amax_of(g) + helper(g)\n")
     assert {"amax_of", "helper"} <= _called_names(tree)
+
+
+# Module state: a module may bind constants (numbers, strings, tuples,
+# frozensets, frozen instances) and define functions and classes; anything
+# it could mutate later (a dict, a list, a registry, a counter, a thread-
+# local) or anything it does at import (a call whose result is dropped, a
+# patch) is state shared by every model in the process.
+MUTABLE_CALLS = {
+    "dict", "list", "set", "bytearray", "WeakKeyDictionary", "WeakValueDictionary",
+    "WeakSet", "count", "local", "defaultdict", "OrderedDict", "Counter", "deque",
+}
+ALLOWED_NAMES = {"__all__"}
+
+
+def _module_state(tree):
+    """(line, what) of every module-level binding of a mutable value and
+    every module-level statement run for its effect."""
+    found = []
+    for node in tree.body:
+        if isinstance(node, ast.Expr) and not isinstance(node.value, ast.Constant):
+            found.append((node.lineno, "a statement run at import"))
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names = {t.id for t in targets if isinstance(t, ast.Name)}
+            if names & ALLOWED_NAMES:
+                continue
+            value = node.value
+            if isinstance(value, (ast.List, ast.Dict, ast.Set, ast.ListComp,
+                                  ast.DictComp, ast.SetComp)):
+                found.append((node.lineno, f"{sorted(names)} is a mutable literal"))
+            for call in ast.walk(value):
+                if isinstance(call, ast.Call):
+                    function = call.func
+                    name = function.attr if isinstance(function, ast.Attribute) else getattr(function, "id", "")
+                    if name in MUTABLE_CALLS:
+                        found.append((node.lineno, f"{sorted(names)} = {name}(...)"))
+        elif isinstance(node, ast.Global):
+            found.append((node.lineno, "global"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Global):
+            found.append((node.lineno, f"global {', '.join(node.names)}"))
+    return found
+
+
+def test_module_state_finder_finds_what_it_should():
+    """Guards the next test on a planted module."""
+    source = (
+        "import threading\nX = (1, 2)\n_cache = {}\n_local = threading.local()\n"
+        "register(thing)\n__all__ = ['a']\n\ndef f():\n    global X\n"
+    )
+    lines = [line for line, _ in _module_state(ast.parse(source))]
+    assert lines == [3, 4, 5, 9]
+
+
+# The two pieces of module state the package keeps, and why each must be
+# process-wide. Any other is a defect.
+KEPT_STATE = {
+    # Per thread, the scaling point whose call is running: a hooked sublayer
+    # finds the backward pass that encloses it (replicas trace in parallel
+    # threads), as TensorFlow's own name and control-flow scopes do.
+    ("_src.model.hooks", "['_local'] = local(...)"),
+    # A weak index of live instrumented models: in a custom loop or a GAN
+    # the variables an optimizer applies are its only link to the models it
+    # must update, and a model never learns its optimizer (docs/design.md).
+    ("_src.training.owners", "['_models'] = WeakKeyDictionary(...)"),
+    ("_src.training.owners", "['_order'] = count(...)"),
+}
+
+
+def test_no_module_level_mutable_state():
+    found = {
+        (name, what)
+        for name, (_, tree) in _modules().items()
+        for line, what in _module_state(tree)
+    }
+    assert found - KEPT_STATE == set(), "\n".join(sorted(map(str, found - KEPT_STATE)))
+    assert KEPT_STATE <= found, "stale KEPT_STATE entries: " + str(KEPT_STATE - found)
+
+
+def test_diagnostic_patches_hold_for_their_own_thread_only():
+    """`layer_calls` and `float32_random_draws` patch Keras for one block of
+    one thread's work: another thread calling a layer meanwhile is not
+    observed and draws as Keras does; on exit Keras's own functions are
+    back."""
+    import threading
+
+    import keras
+    from keras.src.backend.tensorflow import random as backend_random
+
+    from tf_als._src.model import _keras
+
+    layer = keras.layers.Dense(2)
+    layer.build((1, 3))
+    seen = []
+    original_call = keras.layers.Layer.__call__
+    original_uniform = backend_random.uniform
+    with _keras.layer_calls(lambda l, inputs, outputs: seen.append(threading.get_ident())):
+        with _keras.float32_random_draws():
+            other = threading.Thread(target=lambda: layer(keras.ops.ones((1, 3))))
+            other.start()
+            other.join()
+            assert seen == []  # the other thread's call was not observed
+            layer(keras.ops.ones((1, 3)))
+            assert seen == [threading.get_ident()]
+    assert keras.layers.Layer.__call__ is original_call
+    assert backend_random.uniform is original_uniform

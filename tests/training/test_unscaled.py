@@ -177,27 +177,6 @@ def test_a_folded_gradient_is_the_divided_product():
     np.testing.assert_array_equal(folded.numpy(), expected.astype(np.float16))
 
 
-def test_tensorflow_private_names_are_used_only_in_the_fence():
-    """`unscaled` finds the graph being traced through the fence
-    (`_keras.default_graph`); no other module reaches TensorFlow's private
-    or v1 names (`tf.compat.v1`, `tf.__internal__`, `tensorflow.python`)."""
-    import pathlib
-    import re
-
-    package = pathlib.Path(tf_als.__file__).parent
-    fence = package / "_src" / "model" / "_keras.py"
-    pattern = re.compile(r"tf\.compat\.v1|tf\.__internal__|tensorflow\.python")
-    offenders = [
-        f"{path.relative_to(package)}:{number}"
-        for path in sorted(package.rglob("*.py"))
-        if path != fence
-        for number, line in enumerate(path.read_text().splitlines(), 1)
-        if pattern.search(line)
-    ]
-    assert offenders == []
-    assert pattern.search(fence.read_text())  # the scan can find them
-
-
 def test_traced_graph_is_the_graph_being_traced():
     assert unscaled.traced_graph() is None  # eager
 

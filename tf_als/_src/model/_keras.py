@@ -5,7 +5,9 @@ a Keras upgrade is checked here and nowhere else.
 """
 
 import contextlib
+import functools
 import inspect
+import threading
 import typing
 
 import keras
@@ -286,21 +288,37 @@ def _graph_inputs(layer) -> list:
 @contextlib.contextmanager
 def layer_calls(callback):
     """Within this block, `callback(layer, inputs, outputs)` runs after
-    every `Layer.__call__` (innermost calls complete first). For eager
-    diagnostics only: it patches Keras's `Layer.__call__` for the block,
-    in this thread's view and every other's."""
+    every `Layer.__call__` this thread makes (innermost calls complete
+    first). For eager diagnostics only: it patches Keras's
+    `Layer.__call__` for the block and restores it on exit; calls from
+    other threads meanwhile run Keras's own `__call__` unchanged."""
     original = keras.layers.Layer.__call__
-
-    def calling(layer, *args, **kwargs):
-        outputs = original(layer, *args, **kwargs)
-        callback(layer, (args, kwargs), outputs)
-        return outputs
-
+    calling = _in_this_thread(functools.partial(_observed, original, callback), original)
     keras.layers.Layer.__call__ = calling
     try:
         yield
     finally:
         keras.layers.Layer.__call__ = original
+
+
+def _observed(original, callback, layer, *args, **kwargs):
+    outputs = original(layer, *args, **kwargs)
+    callback(layer, (args, kwargs), outputs)
+    return outputs
+
+
+def _in_this_thread(replacement, original):
+    """`replacement` in the calling thread, `original` in every other: a
+    patch made for one block of one thread's work."""
+    owner = threading.get_ident()
+
+    @functools.wraps(original)
+    def dispatch(*args, **kwargs):
+        if threading.get_ident() == owner:
+            return replacement(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    return dispatch
 
 
 # The random draws `float32_random_draws` redirects: Keras 3.15's TensorFlow
@@ -323,8 +341,9 @@ def float32_random_draws():
     by float32 noise, then scales as it would in the input's dtype. For
     `tf_als.diagnose`, whose float32 and float16 runs must see the same
     masks and noise; it replaces functions of Keras 3.15's
-    `keras.src.backend.tensorflow.random` for the block, in every thread's
-    view (public: none; `keras.random` takes no sampling dtype)."""
+    `keras.src.backend.tensorflow.random` for the block and restores them
+    on exit; other threads meanwhile draw as Keras does (public: none;
+    `keras.random` takes no sampling dtype)."""
     from keras.src.backend.tensorflow import random as module
 
     originals = {name: getattr(module, name) for name in _FLOAT_DRAWS + ("dropout",)}
@@ -358,8 +377,8 @@ def float32_random_draws():
 
     try:
         for name in _FLOAT_DRAWS:
-            setattr(module, name, in_float32(originals[name]))
-        module.dropout = dropout
+            setattr(module, name, _in_this_thread(in_float32(originals[name]), originals[name]))
+        module.dropout = _in_this_thread(dropout, originals["dropout"])
         yield
     finally:
         for name, original in originals.items():
