@@ -134,8 +134,9 @@ def build_price_model(features):
 
 
 class _StepCounter:
-    """Keras callback factory: wall time of each epoch after the first
-    (which includes compilation), batches run and steps applied."""
+    """Keras callback factory: the process's CPU time over each epoch after
+    the first (which includes compilation; CPU time, not wall time, so that
+    other jobs on the machine do not count), batches run and steps applied."""
 
     def __new__(cls):
         import keras
@@ -147,7 +148,7 @@ class _StepCounter:
                 self.batches, self.skipped = 0, 0
 
             def on_epoch_begin(self, epoch, logs=None):
-                self._began = time.perf_counter()
+                self._began = time.process_time()
                 self._applied_before = self._read_iterations()
                 self._batches = 0
 
@@ -155,7 +156,7 @@ class _StepCounter:
                 self._batches += 1
 
             def on_epoch_end(self, epoch, logs=None):
-                seconds = time.perf_counter() - self._began
+                seconds = time.process_time() - self._began
                 if epoch > 0:
                     self.epoch_times.append(seconds)
                     self.timed_steps += self._batches
@@ -363,13 +364,22 @@ def progress(part, run, result):
     head = f"{part:<9} {RUN_TITLES[run]:<34} done in {result['seconds']:4.0f} s, "
     if part == "underflow":
         line = head + f"test accuracy {result['test_accuracy']:.3f}"
-        return line + "".join(f"\n    tf_als said: {m}" for m in result["warnings"])
+        return line + _said(result)
     line = head + f"test R2 {_r2_text(result['test_r2'])}"
     if result["skipped_steps"]:
         line += f", {result['skipped_steps']} of {result['steps']} steps skipped"
     if result["promoted"]:
         line += f", promoted to float32: {', '.join(result['promoted'])}"
-    return line + "".join(f"\n    tf_als said: {m}" for m in result["warnings"])
+    return line + _said(result)
+
+
+def _said(result):
+    """The first sentence of each of tf_als's warnings, a line each (the
+    whole messages are in results.json)."""
+    return "".join(
+        f"\n    tf_als said: {message.split('. ')[0].rstrip('.')}."
+        for message in result["warnings"]
+    )
 
 
 def _r2_text(value):
@@ -387,7 +397,7 @@ def underflow_table(results):
     """Part 1's Markdown table."""
     lines = [
         "| run | test accuracy | test loss | worst layer | its underflow | "
-        "its gradient error | skipped steps | step time vs Keras |",
+        "its gradient error | skipped steps | CPU time a step vs Keras |",
         "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
     ]
     base = results["keras"]["step_seconds"]

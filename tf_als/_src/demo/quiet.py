@@ -5,12 +5,14 @@ TensorFlow's C++ code writes to file descriptor 2 directly, so Python's
 `sys.stderr` cannot filter it; `TF_CPP_MIN_LOG_LEVEL` is read once, when
 TensorFlow logs its first line (at import, before the demo runs under
 `python -m tf_als.demo`). `filtered_stderr` routes descriptor 2 through a
-pipe for the duration of a block and forwards every line except those
-that match `HARMLESS` exactly, so real errors and warnings still show.
+pipe for the duration of a block and forwards every line except INFO lines
+and those that match `HARMLESS` exactly, so real errors and warnings still
+show.
 """
 
 import contextlib
 import os
+import re
 import sys
 import threading
 
@@ -26,15 +28,20 @@ HARMLESS = (
 
 
 def harmless(line: str) -> bool:
-    """Whether `line` is one of `HARMLESS`.
+    """Whether `line` is one of `HARMLESS`, or an INFO line of TensorFlow's
+    native log (`I0000 00:00:...`; `TF_CPP_MIN_LOG_LEVEL=2` hides those
+    too, when it is set before TensorFlow is imported).
 
     Example:
 
     ```python
     harmless("E0000 ... cuda_platform.cc:52] failed call to cuInit: ...")  # True
     harmless("E0000 ... some_kernel.cc:10] Out of memory")               # False
+    harmless("I0000 00:00:17.5 1 service.cc:153] XLA service ...")      # True
     ```
     """
+    if re.match(r"I\d{4} \d\d:\d\d:", line):
+        return True
     return any(all(part in line for part in parts) for parts in HARMLESS)
 
 
