@@ -21,6 +21,7 @@ from tf_als._src.training import update
 
 
 def _knob(name: str, doc: str) -> property:
+    """A read-only attribute: the optimizer's `ScalingConfig` field `name`."""
     return property(lambda self: getattr(self.scaling_config, name), doc=doc)
 
 
