@@ -166,7 +166,7 @@ def test_weights_equal_the_single_device_run(run):
 def test_one_flag_per_step_and_no_other_exchange(run):
     """tf_als's collectives: one all-reduce of a scalar per replica and
     trace, on every step, so that all replicas agree whether the step's
-    gradients are finite (`optimizer._agree_across_replicas`), and
+    gradients are finite (`replicas.agree`), and
     nothing else: the points choose from their replica's own gradients,
     and the telemetry records each replica's own. Keras's gradient
     all-reduce does not go through the replica context's methods;
