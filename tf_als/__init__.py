@@ -29,16 +29,8 @@ from tf_als._src.monitoring.report import Diagnosis
 from tf_als._src.monitoring.report import diagnose
 from tf_als._src.training.optimizer import AdaptiveLossScaleOptimizer
 
-# 0.2.0: the scaling points' state is stacked (`ScalingState`), so
-# models saved and checkpoints written by 0.1 do not restore their scales.
-# 0.3.0: the scales follow the gradient on every step; `update_interval`
-# sets the paper rule's interval, `telemetry_interval` the records' (0.2
-# `.keras` files and configs load: `ScalingState.load_own_variables`,
-# `AdaptiveLossScaleOptimizer`'s `update_interval` deprecation path).
-# 0.4.0: failing layers are found on the first batch (`tf_als.preflight`) and
-# promoted together, capped by distinct failures; records gain the forward
-# headroom columns (0.3 and 0.2 `.keras` files load).
-__version__ = "0.4.0"
+# What changed between versions, and what each can load: CHANGELOG.md.
+__version__ = "0.5.0"
 
 __all__ = [
     "AdaptiveLossScaleOptimizer",
