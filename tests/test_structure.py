@@ -434,3 +434,51 @@ def test_diagnostic_patches_hold_for_their_own_thread_only():
             assert seen == [threading.get_ident()]
     assert keras.layers.Layer.__call__ is original_call
     assert backend_random.uniform is original_uniform
+
+
+# Data flows one way between the subpackages: each imports only those
+# before it. Two modules assemble what comes after them and are the named
+# exceptions: the instrumented model (it holds the backward pass, the state
+# and the guard a `fit` needs) and the optimizer (it hands skipped steps to
+# the recovery beside it, which calls back into the model).
+LAYERS = ("scaling", "model", "training", "failures", "monitoring", "demo")
+ASSEMBLERS = {
+    "_src.model.instrument": {"training", "failures"},
+    "_src.training.optimizer": {"failures"},
+}
+
+
+def _subpackage(name):
+    parts = name.split(".")
+    return parts[1] if len(parts) > 2 and parts[0] == "_src" else None
+
+
+def test_data_flows_one_way_between_subpackages():
+    modules = _modules()
+    backwards = []
+    for name, (_, tree) in modules.items():
+        source = _subpackage(name)
+        if source is None:
+            continue
+        for target in _imports(tree, modules):
+            sink = _subpackage(target)
+            if sink is None or sink == source:
+                continue
+            if LAYERS.index(sink) > LAYERS.index(source) and sink not in ASSEMBLERS.get(name, ()):
+                backwards.append(f"{name} -> {target}")
+    assert backwards == [], backwards
+
+
+def test_scaling_is_pure_tensorflow():
+    """`scaling/` holds numbers and the rule: no Keras, no other tf_als."""
+    for name, (source, tree) in _modules().items():
+        if _subpackage(name) != "scaling":
+            continue
+        imported = {
+            alias.name.split(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Import, ast.ImportFrom))
+            for alias in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module or "")])
+        }
+        assert "keras" not in imported, name
+        assert {_subpackage(t) for t in _imports(tree)} <= {"scaling", None}, name
