@@ -9,35 +9,19 @@ non-trainable variables (BatchNormalization's moving statistics, dropout
 seeds) are put back afterwards.
 """
 
-import dataclasses
 from typing import Callable, Iterable, Optional
 
 import keras
 import tensorflow as tf
 
 from tf_als._src.model import _keras
-from tf_als._src.failures import forward
+from tf_als._src.failures import nonfinite
 
-WEIGHTS = "weight gradients"
-INPUTS = "input gradient"
-OUTPUT = "gradient from the loss at its output"
-
-
-@dataclasses.dataclass(frozen=True)
-class Finding:
-    """Where the gradients of one batch turned non-finite.
-
-    Attributes:
-        layer: the layer's path, or None when no layer is to blame (the
-            loss itself is not finite, or the gradient turned non-finite
-            outside any layer).
-        what: which part of its backward pass is not finite: `WEIGHTS`,
-            `INPUTS`, or `OUTPUT` (the loss's gradient does not fit the
-            layer's float16 output, which is a model output).
-    """
-
-    layer: Optional[str]
-    what: str
+# The result type and what it names, as `nonfinite` defines them.
+Finding = nonfinite.Finding
+WEIGHTS = nonfinite.WEIGHTS
+INPUTS = nonfinite.INPUTS
+OUTPUT = nonfinite.OUTPUT
 
 
 def first_non_finite_gradient(
@@ -68,33 +52,36 @@ def first_non_finite_gradient(
     ```python
     def loss_fn(x, y, y_pred, sample_weight):
         return keras.losses.sparse_categorical_crossentropy(y, y_pred)
-    tf_als.backward_search.first_non_finite_gradient(
+    backward_search.first_non_finite_gradient(
         model, loss_fn, (x, y, None), scale=1.0)
-    # Finding(layer='temperature', what='weight gradients')
+    # Finding(layer='temperature', what='weight gradients', point=None, receivers=())
     ```
     """
     x, y, sample_weight = batch
     calls = []
 
     def observe(layer, inputs, outputs):
-        calls.append((layer, _floats(inputs), _floats(outputs)))
+        calls.append((layer, nonfinite.floats(inputs), nonfinite.floats(outputs)))
 
-    with forward.preserved(model.non_trainable_variables):
+    with nonfinite.preserved(model.non_trainable_variables):
         with tf.GradientTape() as tape:
             with _keras.layer_calls(observe):
                 y_pred = model(x, training=training)
             loss = tf.cast(loss_fn(x, y, y_pred, sample_weight), tf.float32)
             scaled = loss * scale
     if not bool(tf.math.is_finite(loss)):
-        return Finding(layer=None, what="the loss itself")
+        return Finding(layer=None, what=nonfinite.LOSS)
     tensors = [t for _, inputs, outputs in calls for t in inputs + outputs]
     weights = model.trainable_weights
-    grads = tape.gradient(scaled, tensors + weights + _floats(y_pred))
-    finite = {id(t): _finite(g) for t, g in zip(tensors + weights, grads)}
+    model_outputs = nonfinite.floats(y_pred)
+    grads = tape.gradient(scaled, tensors + weights + model_outputs)
+    finite = {id(t): nonfinite.all_finite(g) for t, g in zip(tensors + weights, grads)}
     if all(finite.values()):
         return None
-    outputs_finite = [_finite(g) for g in grads[len(tensors) + len(weights):]]
-    return _blame(calls, finite, _floats(y_pred), outputs_finite)
+    outputs_finite = [
+        nonfinite.all_finite(g) for g in grads[len(tensors) + len(weights) :]
+    ]
+    return _blame(calls, finite, model_outputs, outputs_finite)
 
 
 def search(
@@ -108,13 +95,11 @@ def search(
     """`first_non_finite_gradient` on up to `limit` batches of `batches`
     (an iterable of `(x, y, sample_weight)`), stopping at the first whose
     gradients are not finite; None when all are finite."""
-    for count, batch in enumerate(batches):
-        if count >= limit:
-            break
-        finding = first_non_finite_gradient(model, loss_fn, batch, scale, training)
-        if finding is not None:
-            return finding
-    return None
+    return nonfinite.search(
+        lambda batch: first_non_finite_gradient(model, loss_fn, batch, scale, training),
+        batches,
+        limit,
+    )
 
 
 def _blame(calls, finite, y_pred, outputs_finite) -> Finding:
@@ -139,36 +124,16 @@ def _blame(calls, finite, y_pred, outputs_finite) -> Finding:
             continue
         weights_ok = all(finite.get(id(w), True) for w in layer.trainable_weights)
         if not weights_ok:
-            return Finding(layer=_path(layer), what=WEIGHTS)
+            return Finding(layer=nonfinite.layer_path(layer), what=WEIGHTS)
         if not inputs_ok(inputs):
-            return Finding(layer=_path(layer), what=INPUTS)
+            return Finding(layer=nonfinite.layer_path(layer), what=INPUTS)
     if blocks:
         block = min(blocks, key=lambda b: len(_keras.sublayers(b, recursive=True)))
-        return Finding(layer=_path(block), what=INPUTS)
+        return Finding(layer=nonfinite.layer_path(block), what=INPUTS)
     for tensor, ok in zip(y_pred, outputs_finite):
         if ok:
             continue
         for layer, _, outputs in calls:  # Innermost producer first.
             if any(o is tensor for o in outputs):
-                return Finding(layer=_path(layer), what=OUTPUT)
-    return Finding(layer=None, what="a gradient outside any layer")
-
-
-def _path(layer) -> str:
-    return getattr(layer, "path", None) or layer.name
-
-
-def _floats(structure) -> list:
-    return [
-        t
-        for t in keras.tree.flatten(structure)
-        if tf.is_tensor(t) and t.dtype.is_floating
-    ]
-
-
-def _finite(gradient) -> bool:
-    if gradient is None:
-        return True
-    if isinstance(gradient, tf.IndexedSlices):
-        gradient = gradient.values
-    return bool(tf.reduce_all(tf.math.is_finite(gradient)))
+                return Finding(layer=nonfinite.layer_path(layer), what=OUTPUT)
+    return Finding(layer=None, what=nonfinite.OUTSIDE)

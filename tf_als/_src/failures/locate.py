@@ -8,40 +8,23 @@ weight gradients are not finite, or the gradient it hands to the points that
 feed it is not.
 """
 
-import dataclasses
 from typing import Callable, Mapping, Optional
 
 from tf_als._src.model import graph
-
-
-@dataclasses.dataclass(frozen=True)
-class Culprit:
-    """The scaling point where the gradients turned non-finite.
-
-    Attributes:
-        call: its call index in the plan.
-        point: its scaling-point name (as `tf_als.scales` names it).
-        layer: the name of the layer it calls.
-        what: `"weight gradients"` or `"input gradient"`, the part of its
-            backward pass that is not finite.
-        receivers: names of the scaling points whose input gradient it
-            receives (empty: it receives the loss's gradient directly).
-    """
-
-    call: int
-    point: str
-    layer: str
-    what: str
-    receivers: tuple
+from tf_als._src.failures import nonfinite
 
 
 def first_non_finite(
     plan: graph.Plan,
     weights_finite: Callable[[int], bool],
     incoming_finite: Optional[Mapping[int, bool]] = None,
-) -> Optional[Culprit]:
+) -> Optional[nonfinite.Finding]:
     """The first scaling point, walking from the loss, whose backward pass
-    turned the gradient non-finite; None when there is none.
+    turned the gradient non-finite; None when there is none. The
+    `nonfinite.Finding` names the point (`point`), the layer it calls (by
+    name), what is not finite (`nonfinite.WEIGHTS` or `nonfinite.INPUTS`)
+    and the points it receives its gradient from (`receivers`; empty: it
+    receives the loss's gradient directly).
 
     Args:
         plan: the instrumented model's `graph.Plan`.
@@ -58,17 +41,16 @@ def first_non_finite(
         call = plan.calls[index]
         what = None
         if not weights_finite(index):
-            what = "weight gradients"
+            what = nonfinite.WEIGHTS
         elif incoming_finite is not None and any(
             not incoming_finite[feeder] for feeder in graph.upstream_points(plan, call)
         ):
-            what = "input gradient"
+            what = nonfinite.INPUTS
         if what is not None:
-            return Culprit(
-                call=index,
-                point=names[index],
+            return nonfinite.Finding(
                 layer=call.operation.name,
                 what=what,
+                point=names[index],
                 receivers=tuple(names[r] for r in receivers(plan, index)),
             )
     return None

@@ -45,14 +45,8 @@ import tensorflow as tf
 
 from tf_als._src.model import _keras
 from tf_als._src.failures import backward_search
-from tf_als._src.failures import forward
+from tf_als._src.failures import nonfinite
 from tf_als._src.failures import promote
-
-# The eager searches' helpers, shared rather than copied: float tensors of
-# a structure, their finiteness, a layer's path.
-_floats = backward_search._floats
-_all_finite = forward._all_finite
-_path = backward_search._path
 
 FLOAT16_MAX = 65504.0
 # A float16 layer output may stray from the float32 re-run of the same
@@ -219,7 +213,7 @@ def forward_failures(
     def observe(layer, arguments, outputs):
         calls.append((layer, arguments, outputs))
 
-    with forward.preserved(model.non_trainable_variables):
+    with nonfinite.preserved(model.non_trainable_variables):
         with _keras.layer_calls(observe):
             y_pred = model(x, training=training)
         findings = []
@@ -227,7 +221,7 @@ def forward_failures(
             if _checked(layer):
                 reason = _stray(layer, arguments, outputs)
                 if reason is not None:
-                    findings.append(Finding(_path(layer), reason))
+                    findings.append(Finding(nonfinite.layer_path(layer), reason))
     findings += _unreachable_targets(calls, y_pred, y)
     if loss_fn is not None and not findings:
         findings += _loss_overflows(calls, y_pred, batch, loss_fn)
@@ -241,7 +235,7 @@ def _loss_overflows(calls, y_pred, batch, loss_fn) -> list:
     produce the float16 outputs: the user's loss sums them in float16 (a
     soft-Dice over a batch of maps reads 1.0, and every gradient 0)."""
     x, y, sample_weight = batch
-    outputs = [o for o in _floats(y_pred) if o.dtype == tf.float16]
+    outputs = [o for o in nonfinite.floats(y_pred) if o.dtype == tf.float16]
     if not outputs:
         return []
     got = float(loss_fn(x, y, y_pred, sample_weight))
@@ -256,7 +250,7 @@ def _loss_overflows(calls, y_pred, batch, loss_fn) -> list:
         if producer is not None:
             findings.append(
                 Finding(
-                    _path(producer),
+                    nonfinite.layer_path(producer),
                     f"{promote.LOSS} ({got:.4g} against {want:.4g}: the loss "
                     "sums or squares float16 outputs past 65504)",
                 )
@@ -278,9 +272,9 @@ def _stray(layer, arguments, outputs) -> Optional[str]:
     the same `arguments`; None when they do not (or its inputs are not
     finite: a layer upstream failed first)."""
     args, kwargs = arguments
-    if not _all_finite((args, kwargs)):
+    if not nonfinite.all_finite((args, kwargs)):
         return None
-    if _all_finite(outputs) and _from_keras(layer):
+    if nonfinite.all_finite(outputs) and _from_keras(layer):
         # Keras's own layers accumulate in float32 (matmuls, convolutions)
         # and compute normalisation statistics in float32: a finite float16
         # output of theirs is float32's, rounded. Layers written elsewhere
@@ -288,10 +282,10 @@ def _stray(layer, arguments, outputs) -> Optional[str]:
         return None
     with _keras.dtype_policy([layer], "float32"):
         expected = layer(*_to_float32(args), **_to_float32(kwargs))
-    got, want = _floats(outputs), _floats(expected)
-    if len(got) != len(want) or not _all_finite(want):
+    got, want = nonfinite.floats(outputs), nonfinite.floats(expected)
+    if len(got) != len(want) or not nonfinite.all_finite(want):
         return None
-    if not _all_finite(got):
+    if not nonfinite.all_finite(got):
         return promote.FORWARD
     error, largest = 0.0, 0.0
     for a, b in zip(got, want):
@@ -339,7 +333,7 @@ def _unreachable_targets(calls, y_pred, y) -> list:
         if producer is not None:
             findings.append(
                 Finding(
-                    _path(producer),
+                    nonfinite.layer_path(producer),
                     f"{promote.TARGETS} (targets up to {largest:.4g}; float16 "
                     f"holds at most {FLOAT16_MAX:g})",
                 )
@@ -373,7 +367,7 @@ def backward_failures(
             low = middle
         else:
             high, above = middle, finding
-    if above.what != backward_search.OUTPUT or above.layer is None:
+    if above.what != nonfinite.OUTPUT or above.layer is None:
         return []
     # Below 1 the scale shrinks every gradient of the model to serve this
     # output: it is the layer that fails.

@@ -26,6 +26,7 @@ import keras
 import tensorflow as tf
 
 from tf_als._src.model import _keras
+from tf_als._src.failures import nonfinite
 
 # How many distinct failures (a layer class and a kind of reason) a model
 # may promote. Every layer of a failure is promoted, however many: the cap
@@ -191,6 +192,6 @@ def _log(model):
 
 def _layer_at(model, path) -> Optional[keras.layers.Layer]:
     for layer in _keras.all_layers(model):
-        if (getattr(layer, "path", None) or layer.name) == path:
+        if nonfinite.layer_path(layer) == path:
             return layer
     return None

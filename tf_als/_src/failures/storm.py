@@ -112,20 +112,20 @@ def _locate(optimizer, variable):
     # to the model whose trainable variables hold it.
     owner = [m for m in models if any(w is variable for w in m.trainable_variables)]
     plan = getattr(owner[0], "plan", None) if owner else None
-    culprit = None
+    finding = None
     if plan is not None:
         # The record names one variable: the point to blame is the call
         # owning it closest to the loss (a shared layer has several).
-        culprit = locate.first_non_finite(
+        finding = locate.first_non_finite(
             plan,
             lambda index: not any(
                 w is variable for w in plan.calls[index].operation.trainable_weights
             ),
         )
-    if culprit is None:
+    if finding is None:
         return _layer_of(variable), _plain_after(optimizer, variable)
-    after = ", ".join(repr(n) for n in culprit.receivers) or None
-    return culprit.point, after
+    after = ", ".join(repr(n) for n in finding.receivers) or None
+    return finding.point, after
 
 
 def _layer_of(variable):
@@ -239,15 +239,15 @@ class NonFiniteGuard(keras.callbacks.Callback):
         if self._input_batches is None or loss_finite != 0 or rescued:
             return None
         model = getattr(self.model, "model", self.model)  # the plain layers
-        culprit = forward.search(model, self._input_batches())
-        if culprit is None:
+        finding = forward.search(model, self._input_batches())
+        if finding is None:
             return (
                 "An eager re-run on training batches found every layer output "
                 "finite (the failing batches, or dropout draws, differ)."
             )
         return (
             "An eager re-run on the training data found the first layer "
-            f"whose float16 output is not finite: {culprit!r}. Give it "
+            f"whose float16 output is not finite: {finding.layer!r}. Give it "
             "dtype='float32' (it then computes in float32; its weights are "
             "float32 already)."
         )
