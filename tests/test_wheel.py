@@ -11,6 +11,7 @@ isolation, with the setuptools installed here: no network.
 
 import glob
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -34,9 +35,18 @@ def _run(command, cwd, env=None):
 
 @pytest.mark.slow  # ~1 min: a build, a virtualenv and the demo's quick failure part
 def test_the_wheel_installs_outside_the_checkout_and_runs_the_demo(tmp_path):
+    # A copy of the repository's files, so that the build's `build/` and
+    # `*.egg-info` directories land in the copy, not in the checkout.
+    source = tmp_path / "source"
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True,
+                           text=True, check=True).stdout.split()
+    for name in files:
+        target = source / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(os.path.join(ROOT, name), target)
     wheels = tmp_path / "wheels"
     _run(
-        [sys.executable, "-m", "pip", "wheel", ROOT, "--no-deps",
+        [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps",
          "--no-build-isolation", "-w", str(wheels)],
         cwd=str(tmp_path),
     )
