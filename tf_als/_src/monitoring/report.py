@@ -382,11 +382,16 @@ def _gradient_pass(model, variables, batch, config=None, *, compiled=True):
 
     With `compiled` (the float16 passes) they are computed in a
     `tf.function` as `fit` computes them: on CPUs with native float16
-    (AVX512-FP16) the graph's kernels round float16 differently from the
-    eager ones. Run eagerly, Keras's pass on the 16-layer sigmoid MLP of
-    test_underflow flushes 23.6% of one layer's gradients where `fit`
-    flushes 22.4%. The function is traced once: the scale is an argument,
-    so a retry at a lower scale re-runs the graph without tracing it again.
+    (AVX512-FP16) the graph rounds float16 differently from eager
+    execution, through Grappler's remapper (its fused kernels). On the
+    16-layer sigmoid MLP of test_underflow, eager float16 gradients, and
+    a graph's with `remapping` or all of Grappler off, are the same bit
+    for bit and differ from `fit`'s: one layer reads 23.6% underflow
+    where `fit` flushes 22.4%. So neither eager execution nor skipping the
+    graph optimisations is open to the float16 passes. The function is
+    traced once: the scale is an argument, so a retry at a lower scale
+    re-runs the graph without tracing it again.
+
     Without `compiled` (the float32 reference) the pass runs eagerly:
     tracing costs most of a pass (3.4 s of CPU against 0.7 s eagerly on
     MobileNetV3Small at 32x32), and float32's eager gradients there are
