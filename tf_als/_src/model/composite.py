@@ -1,10 +1,11 @@
 """Opening composite layers: the weight-owning layers inside a layer's call.
 
 A Functional plan sees a custom layer, a `MultiHeadAttention`, a KerasHub
-transformer block or a subclassed model as one call. This module reads such
-a layer's tree of sublayers (pure Python, once, by `instrument()`) into the
-*inner* scaling points it contains: every sublayer that owns weights
-directly, at any depth, named by its path of layer names. At run time
+transformer block or a subclassed model as one call. This module says which
+such layers are opened and which weights a point of them unscales; the
+*inner* scaling points an opened layer contains (every sublayer that owns
+weights directly, at any depth, named by its path of layer names) are
+found by `points.inner`, pure Python, once, by `instrument()`. At run time
 (`hooks`) each call of such a sublayer made while its enclosing point
 runs becomes a scaling point of its own; nothing is traced symbolically, so
 any Python the composite runs (dynamic shapes, caches, masks, raw `tf.*`
@@ -15,7 +16,6 @@ Some layers are not opened and stay one point, with a reason
 per-call custom gradient cannot be placed.
 """
 
-import dataclasses
 from typing import Optional
 
 import keras
@@ -35,29 +35,6 @@ CLOSED_TYPES = (
         "where a per-call scaling point cannot be placed",
     ),
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class Inner:
-    """A weight-owning layer inside an opened point.
-
-    Attributes:
-        name: the point name: the enclosing point's name, then the path of
-            layer names down to this layer (`"block/attention/query"`).
-        layer: the layer.
-        parent: index (into the model's points) of the enclosing point:
-            the nearest enclosing layer that owns weights, or the opened
-            composite the walk started from.
-        opened: whether this layer's own weighted sublayers are points too.
-        reason: why it is not opened (`None` if it is, or if it has no
-            weighted sublayers).
-    """
-
-    name: str
-    layer: object
-    parent: int
-    opened: bool
-    reason: Optional[str]
 
 
 def own_weights(layer) -> list:
@@ -99,45 +76,3 @@ def opens(layer) -> bool:
         and has_weighted_sublayers(layer)
         and closed_reason(layer) is None
     )
-
-
-def inner_points(layer, name: str, index: int, first: int) -> list:
-    """The `Inner` points inside `layer`, the point `index` named `name`,
-    depth first in attribute order; the first gets index `first`.
-
-    A sublayer without weights of its own but with weighted sublayers (a
-    `MultiHeadAttention` inside a block) is transparent: its weighted
-    sublayers belong to the nearest enclosing point and their names carry
-    its name. A sublayer reachable twice (shared) is one point, named by
-    its first path.
-    """
-    found = []
-    seen = set()
-
-    def walk(current, prefix, parent):
-        for sublayer in _keras.sublayers(current, recursive=False):
-            if id(sublayer) in seen or not sublayer.weights:
-                continue
-            seen.add(id(sublayer))
-            path = f"{prefix}/{sublayer.name}"
-            if not own_weights(sublayer):
-                if closed_reason(sublayer) is None:
-                    walk(sublayer, path, parent)
-                    continue
-            reason = closed_reason(sublayer)
-            opened = opens(sublayer)
-            point = first + len(found)
-            found.append(
-                Inner(
-                    name=path,
-                    layer=sublayer,
-                    parent=parent,
-                    opened=opened,
-                    reason=reason if has_weighted_sublayers(sublayer) else None,
-                )
-            )
-            if opened:
-                walk(sublayer, path, point)
-
-    walk(layer, name, index)
-    return found

@@ -17,6 +17,7 @@ import keras
 from keras import tree
 
 from tf_als._src.model import _keras
+from tf_als._src.model import points as points_module
 from tf_als._src.model._keras import Functional
 
 # Consumer kinds: a layer call, one input position of a nested model's
@@ -49,7 +50,8 @@ class Call:
         outputs: the slot of each (flattened) output.
         training: `True`/`False` when an enclosing nested model was called
             with an explicit `training=` argument, else `None`.
-        point: index of the scaling point this call is, or `None`.
+        point: index of the scaling point this call is (its `Point` is
+            `Plan.points[point]`), or `None`.
     """
 
     index: int
@@ -82,11 +84,12 @@ class Plan:
             `("output", output_index)` or `("loss", call_index)`.
         float_slots: slots whose tensors are floating point (they carry
             gradients; the others never do).
-        point_names: deterministic name of each scaling point: the
-            layer's full path (the nested models enclosing its first call,
-            outermost first, then its name), with `/call_<i>` appended for
-            a layer called more than once.
-        point_calls: the call index of each scaling point.
+        points: a `points.Point` (kind `"call"`) per call of a layer that
+            owns weights, in call order: the model's first scaling points
+            (those inside opened ones follow them, `points.of_plan`). Its
+            name is the layer's full path (the nested models enclosing its
+            first call, outermost first, then its name), with `/call_<i>`
+            appended for a layer called more than once.
     """
 
     model: object
@@ -95,8 +98,17 @@ class Plan:
     output_slots: tuple
     consumers: dict
     float_slots: frozenset
-    point_names: tuple
-    point_calls: tuple
+    points: tuple
+
+    @property
+    def point_names(self) -> tuple:
+        """The name of each of `points`."""
+        return tuple(p.name for p in self.points)
+
+    @property
+    def point_calls(self) -> tuple:
+        """The call index of each of `points`."""
+        return tuple(p.call for p in self.points)
 
 
 def read(model: keras.Model) -> Plan:
@@ -166,8 +178,7 @@ def empty_plan(model) -> Plan:
         output_slots=(),
         consumers={},
         float_slots=frozenset(),
-        point_names=(),
-        point_calls=(),
+        points=(),
     )
 
 
@@ -290,7 +301,7 @@ class _Builder:
             counts[id(spec["operation"])] = counts.get(id(spec["operation"]), 0) + 1
             homes.setdefault(id(spec["operation"]), spec["scope"])
         seen = {}
-        calls, names, point_calls = [], [], []
+        calls, points = [], []
         consumers = {}
         for index, spec in enumerate(self.calls):
             operation = spec["operation"]
@@ -298,15 +309,19 @@ class _Builder:
             seen[id(operation)] = ordinal + 1
             point = None
             if spec["kind"] == LAYER and _owns_weights(operation):
-                point = len(names)
+                point = len(points)
                 # Every call of a layer is named from the same path, its
                 # first call's (a tied embedding called again by an outer
                 # model's head stays under its backbone's name).
                 name = "/".join(homes[id(operation)] + (operation.name,))
                 if counts[id(operation)] > 1:
                     name += f"/call_{ordinal}"
-                names.append(name)
-                point_calls.append(index)
+                points.append(
+                    points_module.Point(
+                        index=point, name=name, layer=operation,
+                        kind=points_module.CALL, call=index,
+                    )
+                )
             call = Call(index=index, point=point, **spec)
             calls.append(call)
             if call.kind == ENTER:
@@ -327,8 +342,7 @@ class _Builder:
             output_slots=tuple(output_slots),
             consumers={s: tuple(c) for s, c in consumers.items()},
             float_slots=frozenset(self.float_slots),
-            point_names=tuple(names),
-            point_calls=tuple(point_calls),
+            points=tuple(points),
         )
 
 

@@ -1,11 +1,9 @@
 """`instrument(model)`: the same layers, with a scaling point at every call of
 a layer with weights, and `scales(model)` to read them."""
 
-import dataclasses
 import inspect
 import warnings
 import weakref
-from typing import Optional
 
 import keras
 import tensorflow as tf
@@ -14,13 +12,14 @@ from keras import tree
 
 from tf_als._src.model import _keras
 from tf_als._src.training import backward
-from tf_als._src.model import composite
 from tf_als._src.scaling import config as config_module
 from tf_als._src.model import graph
 from tf_als._src.model import hooks
 from tf_als._src.training import optimizer as optimizer_module
 from tf_als._src.training import owners
 from tf_als._src.model import own_steps
+from tf_als._src.model import points as points_module
+from tf_als._src.model.points import PointInfo
 from tf_als._src.training import pass_record
 from tf_als._src.failures import promote
 from tf_als._src.training import state
@@ -134,28 +133,6 @@ def scales(model: keras.Model) -> dict[str, float]:
     return {name: float(v) for name, v in zip(state.point_names, values)}
 
 
-@dataclasses.dataclass(frozen=True)
-class PointInfo:
-    """One scaling point of an instrumented model, as `tf_als.points` lists it.
-
-    Attributes:
-        name: the point's name, as `tf_als.scales` reports it.
-        layer: the class name of the layer the point calls.
-        kind: `"layer"`, a call of a layer that owns weights directly;
-            `"composite"`, an opened layer without weights of its own,
-            whose scale lifts everything its call computes backwards
-            (its weighted sublayers are points of their own, listed after
-            it); `"closed"`, a layer with weighted sublayers that could not
-            be opened, so one scale serves all of its weights.
-        reason: for `"closed"`, why it was not opened; else None.
-    """
-
-    name: str
-    layer: str
-    kind: str
-    reason: Optional[str] = None
-
-
 def points(model: keras.Model) -> list[PointInfo]:
     """Every scaling point of an instrumented model, in the order of
     `tf_als.scales`, with the composite layers that stayed closed and why.
@@ -194,9 +171,11 @@ class InstrumentedModel(_keras.CheckpointOnly, keras.Model):
     Made by `tf_als.instrument(model)`; see there. It shares `model`'s layers
     (and so its weights), runs the same layer calls in the same order, and
     adds custom-gradient identities that scale gradients on the way back.
-    Its state is a `state.ScalingState` (`scaling_state`: a row per
-    scaling point, stacked), saved with the model and in checkpoints;
-    `scaling_points` views it one point at a time.
+    Its scaling points are `point_records`, one `points.Point` each, found
+    once when it is made; its state is a `state.ScalingState`
+    (`scaling_state`: a row per point, in that order, stacked), saved with
+    the model and in checkpoints; `scaling_points` views it one point at a
+    time.
 
     Args:
         model: the built model to instrument.
@@ -209,7 +188,7 @@ class InstrumentedModel(_keras.CheckpointOnly, keras.Model):
 
     def __init__(self, model: keras.Model, float32_outputs: bool = False, **kwargs):
         _check_flag("float32_outputs", float32_outputs)
-        plan, inner = _points_of(model)
+        plan, records = _points_of(model)
         # A name scope may not start with "_" (a class `_Net` names its
         # models "_net").
         kwargs.setdefault("name", f"{model.name.lstrip('_') or 'model'}_instrumented")
@@ -228,10 +207,11 @@ class InstrumentedModel(_keras.CheckpointOnly, keras.Model):
         self.promotion_log = promote.PromotionLog()
         _keras.track(self, self.promotion_log, "promotion_log")
         self._plan = plan
-        self._inner = tuple(enumerate(inner, start=len(plan.point_names)))
-        names = list(plan.point_names) + [i.name for i in inner]
-        self.scaling_state = state.ScalingState(names, name="scaling_state")
-        _hook(self, inner)
+        self._point_records = records
+        self.scaling_state = state.ScalingState(
+            [p.name for p in records], name="scaling_state"
+        )
+        _hook(self, records)
         _warn_closed(self)
         # The weight gradients its backward passes unscale, for the
         # optimizer that divides them by S (`unscaled`).
@@ -240,7 +220,7 @@ class InstrumentedModel(_keras.CheckpointOnly, keras.Model):
         self.pass_record = pass_record.PassRecord()
         # The knobs its points choose with: the optimizer's, once compiled.
         self.scaling_config = config_module.ScalingConfig()
-        self._synchronized = _synchronized_points(self.point_layers)
+        self._synchronized = _synchronized_points(records)
         # The AdaptiveLossScaleOptimizers that applied its gradients.
         self._trainers = weakref.WeakKeyDictionary()
         owners.register(self)
@@ -259,35 +239,34 @@ class InstrumentedModel(_keras.CheckpointOnly, keras.Model):
         return self._plan
 
     @property
+    def point_records(self) -> tuple:
+        """A `points.Point` per scaling point, in row order: what the
+        views below are read from."""
+        return self._point_records
+
+    @property
     def scaling_points(self) -> tuple:
         """A `state.ScalingPoint` per scaling point: its view of
         `scaling_state`, in row order."""
-        return tuple(
-            self.scaling_state.point(i)
-            for i in range(len(self.scaling_state.point_names))
-        )
+        return tuple(self.scaling_state.point(p.index) for p in self._point_records)
 
     @property
     def point_infos(self) -> tuple:
-        """A `PointInfo` per scaling point, aligned with `scaling_points`."""
-        infos = [
-            _top_info(name, self._plan.calls[index].operation)
-            for name, index in zip(self._plan.point_names, self._plan.point_calls)
-        ]
-        infos += [_top_info(inner.name, inner.layer) for _, inner in self._inner]
-        return tuple(infos)
+        """A `PointInfo` per scaling point (`Point.info`), in row order."""
+        return tuple(p.info() for p in self._point_records)
 
     @property
     def inner_points(self) -> tuple:
-        """`(point index, tf_als.composite.Inner)` of each point inside
-        another (and of a subclassed model's root point)."""
-        return self._inner
+        """`(index, points.Point)` of each point that is not a call of the
+        plan (inside another point, or a subclassed model's root)."""
+        return tuple(
+            (p.index, p) for p in self._point_records if p.kind != points_module.CALL
+        )
 
     @property
     def point_layers(self) -> tuple:
-        """The layer each scaling point calls, aligned with `scaling_points`."""
-        top = [self._plan.calls[i].operation for i in self._plan.point_calls]
-        return tuple(top + [inner.layer for _, inner in self._inner])
+        """The layer each scaling point calls, in row order."""
+        return tuple(p.layer for p in self._point_records)
 
     def trained_by(self) -> list:
         """The live `AdaptiveLossScaleOptimizer`s that applied this model's
@@ -364,7 +343,7 @@ class InstrumentedModel(_keras.CheckpointOnly, keras.Model):
             self._plan,
             self.scaling_state,
             self.unscaled_gradients,
-            self._inner,
+            self._point_records,
             config=self.scaling_config,
             record=self.pass_record,
             synchronized=self._synchronized,
@@ -608,8 +587,8 @@ class InstrumentedModel(_keras.CheckpointOnly, keras.Model):
 
 
 def _points_of(model) -> tuple:
-    """(the plan, the inner points) of `model`, checked: raises when it is
-    instrumented already or holds something tf_als cannot scale."""
+    """(the plan, every `points.Point`) of `model`, checked: raises when it
+    is instrumented already or holds something tf_als cannot scale."""
     if isinstance(model, InstrumentedModel):
         raise ValueError(
             f"Model {model.name!r} is already instrumented; pass it to "
@@ -618,30 +597,31 @@ def _points_of(model) -> tuple:
         )
     if graph.is_subclassed(model):
         _check_subclassed(model)
-        plan, inner = graph.empty_plan(model), _root_points(model)
+        plan, records = graph.empty_plan(model), points_module.of_subclassed(model)
     else:
         plan = graph.read(model)
         _check_plan(plan)
-        inner = _inner_points(plan)
-    _check_inner(inner)
+        records = points_module.of_plan(plan)
+    _check_inner(records)
     own_steps.check(model)
-    return plan, inner
+    return plan, records
 
 
-def _hook(model, inner) -> tuple:
-    """Hooks the layers of `inner` (`hooks.install`) for `model`, except a
-    subclassed model's root, which `call` runs itself. The hooks come off
-    (`hooks.uninstall`) when `model` is garbage collected, leaving layers
-    that no other instrumented model hooks exactly as they were; a model
-    whose scaling points were traced into a `tf.function` is never
+def _hook(model, records) -> tuple:
+    """Hooks the layers of the `"inner"` points among `records`
+    (`hooks.install`) for `model` (a subclassed model's root is run by
+    `call` itself). The hooks come off (`hooks.uninstall`) when `model`
+    is garbage collected, leaving layers that no other instrumented model
+    hooks exactly as they were; a model whose scaling points were traced
+    into a `tf.function` is never
     collected (TensorFlow's gradient registry keeps every traced
     `tf.custom_gradient`), and its hooks then stay, calling the layer's own
     `call` whenever no scaling point of it runs."""
     token = object()  # The model cannot own its hooks: a finalizer may not
     # hold the model itself.
     layers = tuple(
-        i.layer for i in inner
-        if i.parent is not None and hooks.install(i.layer, token)
+        p.layer for p in records
+        if p.kind == points_module.INNER and hooks.install(p.layer, token)
     )
     weakref.finalize(model, _unhook, layers, token)
     return layers
@@ -757,13 +737,13 @@ def _training_batches(x, y, sample_weight, batch_size):
     )
 
 
-def _synchronized_points(layers) -> frozenset:
+def _synchronized_points(records) -> frozenset:
     """Indices of the points whose layer sums its gradients across
     replicas in its own backward (synchronized BatchNormalization; see
     `backward.Backward`)."""
     return frozenset(
-        i for i, layer in enumerate(layers)
-        if getattr(layer, "synchronized", False) is True
+        p.index for p in records
+        if getattr(p.layer, "synchronized", False) is True
     )
 
 
@@ -832,30 +812,6 @@ def _run_call(call, value, back, training) -> list:
     return back.align(call, tree.flatten(function(*args, **kwargs)))
 
 
-def _inner_points(plan):
-    """The inner points of every opened point of `plan`, in point order."""
-    found = []
-    first = len(plan.point_names)
-    for index, (name, call_index) in enumerate(
-        zip(plan.point_names, plan.point_calls)
-    ):
-        layer = plan.calls[call_index].operation
-        if not composite.opens(layer):
-            continue
-        found += composite.inner_points(layer, name, index, first + len(found))
-    return found
-
-
-def _root_points(model):
-    """A subclassed model's points: the model itself, opened (point 0, its
-    own weights and what its `call` computes outside any sublayer), then
-    every weighted layer inside it."""
-    root = composite.Inner(
-        name=model.name, layer=model, parent=None, opened=True, reason=None
-    )
-    return [root] + composite.inner_points(model, model.name, 0, 1)
-
-
 def _check_subclassed(model):
     name = model.name
     if not model.built or not model.weights:
@@ -875,8 +831,12 @@ def _check_subclassed(model):
             raise ValueError(_INSTRUMENTED_INSIDE.format(name=name, layer=layer.name))
 
 
-def _check_inner(inner):
-    for point in inner:
+def _check_inner(records):
+    """Refuses an inner point whose layer has an activity regularizer (the
+    plan's calls are checked by `_check_plan`)."""
+    for point in records:
+        if point.kind == points_module.CALL:
+            continue
         if getattr(point.layer, "activity_regularizer", None) is not None:
             raise ValueError(
                 f"Layer {point.name!r} has weights and an activity "
@@ -884,18 +844,6 @@ def _check_inner(inner):
                 "through the layer's scaling point. Move the regularizer "
                 "into a `keras.layers.ActivityRegularization` layer after it."
             )
-
-
-def _top_info(name, layer):
-    """The `PointInfo` of a point of the plan (a call in the model's graph)."""
-    kind, reason = "layer", None
-    if isinstance(layer, keras.layers.Layer) and composite.has_weighted_sublayers(layer):
-        reason = composite.closed_reason(layer)
-        if reason is not None:
-            kind = "closed"
-        elif not composite.own_weights(layer):
-            kind = "composite"
-    return PointInfo(name=name, layer=type(layer).__name__, kind=kind, reason=reason)
 
 
 def _warn_closed(model):

@@ -52,7 +52,9 @@ class Backward:
         unscaled: the model's `unscaled.UnscaledGradients`, which
             records the weight gradients this pass unscales (an optimizer
             applying them divides them by S in the same multiply).
-        inner: `(index, tf_als.composite.Inner)` of each inner point.
+        points: the model's `points.Point`s, in row order (of those, the
+            ones that are not calls of the plan are run by `hooks` and
+            `wrap_inner_call`).
         config: the `config.ScalingConfig` the points choose with.
         record: the model's `pass_record.PassRecord`, where each
             point leaves its choice.
@@ -63,7 +65,7 @@ class Backward:
     """
 
     def __init__(
-        self, plan, state, unscaled, inner=(), config=None, record=None,
+        self, plan, state, unscaled, points=(), config=None, record=None,
         synchronized=frozenset(),
     ):
         self.plan = plan
@@ -74,9 +76,10 @@ class Backward:
         self.synchronized = frozenset(synchronized)
         self.scales = algebra.Scales(plan)
         # (enclosing point, id(layer)) -> inner point index, and each inner
-        # point's enclosing point (see `composite`).
-        self._inner = {(i.parent, id(i.layer)): index for index, i in inner}
-        self._parents = {index: i.parent for index, i in inner}
+        # point's enclosing point (None for a subclassed model's root).
+        inner = [p for p in points if p.call is None]
+        self._inner = {(p.parent, id(p.layer)): p.index for p in inner}
+        self._parents = {p.index: p.parent for p in inner}
         self._interior = {}  # point -> T_in, the scale of its interior
         self._handled = {}  # point -> ids of variables unscaled inside it
         self._used = {}  # point -> scale used in this pass
