@@ -136,8 +136,8 @@ def _near_max(model, watch) -> list:
     """A message per point not warned about yet whose latest record's
     forward amax is within `NEAR_MAX_FACTOR` of float16's maximum; the
     records are read only when a telemetry step wrote new ones."""
-    state = model.scaling_state
-    if len(watch.warned_points) == len(state.point_names):
+    state, points = model.scaling_state, model.point_records
+    if len(watch.warned_points) == len(points):
         return []
     last = keras.ops.convert_to_numpy(state.last_updates)
     if watch.last_updates is not None and np.array_equal(last, watch.last_updates):
@@ -145,16 +145,15 @@ def _near_max(model, watch) -> list:
     watch.last_updates = last
     records = keras.ops.convert_to_numpy(state.records)
     near = (records[:, _FORWARD_AMAX] >= rule.NEAR_MAX_THRESHOLD) & (last >= 0)
-    layers = model.point_layers
     messages = []
     for i in np.flatnonzero(near):
-        name = state.point_names[i]
+        name, layer = points[i].name, points[i].layer
         if name in watch.warned_points:
             continue
         watch.warned_points.add(name)
         messages.append(
             near_max_message(
-                name, _path(layers[i]), type(layers[i]).__name__,
+                name, _path(layer), type(layer).__name__,
                 float(records[i, _FORWARD_AMAX]),
                 float(records[i, _FORWARD_NEAR_MAX]), int(last[i]),
             )

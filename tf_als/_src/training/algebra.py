@@ -38,7 +38,7 @@ class Scales:
 
     ```python
     scales = Scales(plan)
-    scales.point_scales[plan.point_calls[0]] = 8.0
+    scales.point_scales[plan.points[0].call] = 8.0
     scales.slot(plan.input_slots[0])  # 8.0
     ```
     """
