@@ -34,8 +34,8 @@ def first_non_finite(
             point is finite; None when not known (a point then counts as
             reached by a finite gradient, and only weight gradients decide).
     """
-    names = dict(zip(plan.point_calls, plan.point_names))
-    for index in reversed(plan.point_calls):
+    names = {point.call: point.name for point in plan.points}
+    for index in reversed(list(names)):
         if incoming_finite is not None and not incoming_finite[index]:
             continue
         call = plan.calls[index]
@@ -60,7 +60,7 @@ def receivers(plan: graph.Plan, index: int) -> list:
     """Call indices of the scaling points whose input gradient reaches
     point call `index` (through weightless calls only)."""
     return [
-        other
-        for other in plan.point_calls
-        if index in graph.upstream_points(plan, plan.calls[other])
+        point.call
+        for point in plan.points
+        if index in graph.upstream_points(plan, plan.calls[point.call])
     ]

@@ -34,6 +34,7 @@ import warnings
 import keras
 import numpy as np
 
+from tf_als._src.failures import nonfinite
 from tf_als._src.scaling import rule
 from tf_als._src.training import state as state_module
 
@@ -153,7 +154,7 @@ def _near_max(model, watch) -> list:
         watch.warned_points.add(name)
         messages.append(
             near_max_message(
-                name, _path(layer), type(layer).__name__,
+                name, nonfinite.layer_path(layer), type(layer).__name__,
                 float(records[i, _FORWARD_AMAX]),
                 float(records[i, _FORWARD_NEAR_MAX]), int(last[i]),
             )
@@ -178,8 +179,3 @@ def near_max_message(point, path, layer_class, amax, share, step) -> str:
         f'{path!r} dtype="float32" where the model is built (for example '
         f'`keras.layers.{layer_class}(..., dtype="float32")`).'
     )
-
-
-def _path(layer) -> str:
-    """The layer's path in its model (`layer.path`), or its name."""
-    return getattr(layer, "path", None) or layer.name
