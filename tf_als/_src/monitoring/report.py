@@ -22,6 +22,7 @@ from tf_als._src.model import _keras
 from tf_als._src.model import composite
 from tf_als._src.failures import forward
 from tf_als._src.failures import locate
+from tf_als._src.failures import nonfinite
 from tf_als._src.scaling import rule
 from tf_als._src.model.instrument import InstrumentedModel
 from tf_als._src.training.optimizer import AdaptiveLossScaleOptimizer
@@ -535,8 +536,9 @@ def _rows(instrumented, states, present, expected, keras_grads, als_grads):
     left out (`Diagnosis.no_gradient` lists them)."""
     index = {id(v): i for i, v in enumerate(instrumented.model.trainable_variables)}
     rows = []
-    points = zip(instrumented.scaling_points, instrumented.point_layers, states)
-    for point, layer, state in points:
+    records = instrumented.point_records
+    for point, record, state in zip(instrumented.scaling_points, records, states):
+        layer = record.layer
         positions = [
             index[id(v)]
             for v in composite.point_weights(layer)
@@ -639,10 +641,10 @@ def _first_departing_layer(model, batch) -> Optional[str]:
     for h, f in pairs:
         inputs_agree = _departure(h.inputs, f.inputs) <= DEPARTURE
         if inputs_agree and _departure(h.outputs, f.outputs) > DEPARTURE:
-            return _name(h.layer)
+            return nonfinite.layer_path(h.layer)
     for h, f in pairs:
         if h.amax16 >= NEAR_MAX and all(np.all(np.isfinite(o)) for o in f.outputs):
-            return _name(h.layer)
+            return nonfinite.layer_path(h.layer)
     return None
 
 
@@ -723,8 +725,10 @@ def _departure(values, reference) -> float:
     return float(distance / norm) if norm else (math.inf if distance else 0.0)
 
 
-def _name(layer) -> str:
-    return getattr(layer, "path", None) or layer.name
+def _are(what: str) -> str:
+    """The verb for `what` (`nonfinite.WEIGHTS`, "weight gradients", is
+    plural; `nonfinite.INPUTS`, "input gradient", singular)."""
+    return "are" if what.endswith("s") else "is"
 
 
 def _locate_non_finite(probe, grads, states):
@@ -735,25 +739,26 @@ def _locate_non_finite(probe, grads, states):
     plan = probe.plan
     index = {id(v): i for i, v in enumerate(probe.model.trainable_variables)}
     incoming = {
-        call_index: bool(np.isfinite(values["amax"]))
-        for values, call_index in zip(states, plan.point_calls)
+        point.call: bool(np.isfinite(values["amax"]))
+        for values, point in zip(states, plan.points)
     }
 
     def weights_finite(call_index):
         weights = plan.calls[call_index].operation.trainable_weights
         return _finite([grads[index[id(v)]] for v in weights if id(v) in index])
 
-    culprit = locate.first_non_finite(plan, weights_finite, incoming)
-    if culprit is not None:
+    finding = locate.first_non_finite(plan, weights_finite, incoming)
+    if finding is not None:
         return (
-            f"Gradients turn non-finite in layer {culprit.layer!r} (scaling "
-            f"point {culprit.point!r}): the gradient reaching it is finite, "
-            f"its {culprit.what} is not. Check that layer's weights and inputs "
+            f"Gradients turn non-finite in layer {finding.layer!r} (scaling "
+            f"point {finding.point!r}): the gradient reaching it is finite, "
+            f"but its {finding.what} {_are(finding.what)} not. Check that "
+            "layer's weights and inputs "
             "for very large values; dynamic loss scaling lowers the "
             "global scale until it fits."
         )
     if incoming:
-        last = plan.point_names[-1]
+        last = plan.points[-1].name
         return (
             f"Gradients are non-finite before the first scaling point: the "
             f"gradient reaching {last!r} (closest to the loss) already is. "
