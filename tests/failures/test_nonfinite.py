@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 from tf_als._src.failures import backward_search
-from tf_als._src.failures import forward
+from tf_als._src.failures import forward_search
 from tf_als._src.failures import nonfinite
 
 layers = keras.layers
@@ -107,11 +107,11 @@ def test_forward_search_answers_with_a_finding_from_the_first_failing_batch():
     first.set_weights([np.eye(2, dtype="float32"), np.zeros(2, "float32")])
     quiet, loud = np.zeros((1, 2), "float32"), np.full((1, 2), 10.0, "float32")
     drawn = []
-    finding = forward.search(model, _counted([quiet, loud, loud], drawn))
+    finding = forward_search.search(model, _counted([quiet, loud, loud], drawn))
     assert finding == nonfinite.Finding("big", nonfinite.FORWARD_OUTPUT)
     assert len(drawn) == 2
-    assert forward.first_non_finite_output(model, loud) == "big"
-    assert forward.search(model, [quiet, quiet]) is None
+    assert forward_search.first_non_finite_output(model, loud) == "big"
+    assert forward_search.search(model, [quiet, quiet]) is None
 
 
 def test_backward_search_names_the_loss_itself():

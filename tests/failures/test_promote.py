@@ -23,7 +23,7 @@ import pytest
 import tensorflow as tf
 
 import tf_als
-from tf_als._src.failures import forward
+from tf_als._src.failures import forward_search
 from tf_als._src.monitoring import callbacks as callbacks_module
 from tf_als._src.failures import backward_search
 from tf_als._src.failures import preflight
@@ -151,7 +151,7 @@ def test_the_model_overflows_in_float16_only():
     x, y = data()
     assert np.all(np.isfinite(build("float32")(x)))
     assert not np.all(np.isfinite(build()(x)))
-    assert forward.first_non_finite_output(build(), x) == "hot"
+    assert forward_search.first_non_finite_output(build(), x) == "hot"
     # The preflight's forward check names it, and only it; unarmed, nothing.
     assert preflight.forward_failures(build(), (x, y, None)) == [
         preflight.Finding("hot", promote.FORWARD)

@@ -28,7 +28,7 @@ import tf_als
 from tests import architectures
 from tests.failures.test_promote import custom_loop, largest_finite_scale
 from tf_als._src.failures import backward_search
-from tf_als._src.failures import forward
+from tf_als._src.failures import forward_search
 from tf_als._src.failures import preflight
 from tf_als._src.failures import promote
 from tests.modes import JIT_COMPILE
@@ -460,4 +460,4 @@ def test_no_healthy_model_has_a_layer_to_blame(case):
         mixed, loss, (x, y, None), 1.0, training=case.training
     )
     assert found is None, found
-    assert forward.first_non_finite_output(mixed, x, training=case.training) is None
+    assert forward_search.first_non_finite_output(mixed, x, training=case.training) is None

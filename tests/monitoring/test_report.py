@@ -8,7 +8,7 @@ import tensorflow as tf
 from sklearn.datasets import load_digits
 
 import tf_als
-from tf_als._src.failures import forward
+from tf_als._src.failures import forward_search
 from tf_als._src.monitoring import report as report_module
 from tf_als._src.model import composite
 from tf_als._src.model import graph
@@ -377,10 +377,10 @@ def test_names_the_layer_whose_float16_output_overflows(mixed):
     ), report.non_finite
     assert "dtype='float32'" in report.non_finite
     assert report.keras_loss_scale is None
-    assert forward.first_non_finite_output(model, x) == "big"
+    assert forward_search.first_non_finite_output(model, x) == "big"
     # Every output finite: nothing to name.
     model.get_layer("big").dtype_policy = "float32"
-    assert forward.first_non_finite_output(model, x) is None
+    assert forward_search.first_non_finite_output(model, x) is None
 
 
 # Same randomness in every run ------------------------------------------------

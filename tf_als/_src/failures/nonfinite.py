@@ -70,7 +70,7 @@ def search(
     Example:
 
     ```python
-    search(lambda x: forward.first_non_finite(model, x), batches, limit=4)
+    search(lambda x: forward_search.first_non_finite(model, x), batches, limit=4)
     # Finding(layer='logits', what='forward output', ...)
     ```
     """

@@ -15,7 +15,7 @@ from typing import Optional
 import keras
 
 from tf_als._src.model import _keras
-from tf_als._src.failures import forward
+from tf_als._src.failures import forward_search
 from tf_als._src.failures import locate
 
 
@@ -239,7 +239,7 @@ class NonFiniteGuard(keras.callbacks.Callback):
         if self._input_batches is None or loss_finite != 0 or rescued:
             return None
         model = getattr(self.model, "model", self.model)  # the plain layers
-        finding = forward.search(model, self._input_batches())
+        finding = forward_search.search(model, self._input_batches())
         if finding is None:
             return (
                 "An eager re-run on training batches found every layer output "

@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from tf_als._src.model import _keras
 from tf_als._src.model import composite
-from tf_als._src.failures import forward
+from tf_als._src.failures import forward_search
 from tf_als._src.failures import locate
 from tf_als._src.failures import nonfinite
 from tf_als._src.scaling import rule
@@ -569,7 +569,7 @@ def _forward_message(model, batch):
     """What to say when the float16 loss is not finite but the float32 one
     is: the first layer whose float16 output is not finite."""
     batch.rewind()
-    culprit = forward.first_non_finite_output(model, batch.x, batch.training)
+    culprit = forward_search.first_non_finite_output(model, batch.x, batch.training)
     if culprit is None:
         return (
             "The loss is not finite in float16 (it is in float32), though "

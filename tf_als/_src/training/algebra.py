@@ -9,7 +9,7 @@ relative to the global loss scale S, as a float32 scalar:
     T_out(call)          = min over its float outputs' T(t)
     T(t)                 = min over the consumers of t
 
-A `Scales` is filled with the T_in of each scaling-point call as it is
+A `CarriedScales` is filled with the T_in of each scaling-point call as it is
 known; everything else follows from the plan. The backward pass fills it as
 its gradient functions run (a point that no gradient reaches never runs and
 stays unknown, so it constrains nothing). Products and ratios of powers of two are exact in float32.
@@ -20,13 +20,11 @@ import tensorflow as tf
 from tf_als._src.model import graph
 
 
-class Scales:
+class CarriedScales:
     """T of every slot and call of `plan`, from the points' T_in.
 
     Args:
         plan: a `graph.Plan`.
-        unit: T at the model outputs and the loss: 1.0, or 0 when the
-            scales are kept as exponents (the minimum works on either).
 
     Attributes:
         point_scales: call index of a scaling point -> its T_in (a float32
@@ -37,15 +35,14 @@ class Scales:
     T_in = 8):
 
     ```python
-    scales = Scales(plan)
-    scales.point_scales[plan.points[0].call] = 8.0
-    scales.slot(plan.input_slots[0])  # 8.0
+    carried = CarriedScales(plan)
+    carried.point_scales[plan.points[0].call] = 8.0
+    carried.slot(plan.input_slots[0])  # 8.0
     ```
     """
 
-    def __init__(self, plan, unit=1.0):
+    def __init__(self, plan):
         self.plan = plan
-        self.unit = unit  # T at the outputs: 1, or its exponent 0.
         self.point_scales = {}
         self._slots = {}
         self._calls = {}
@@ -63,7 +60,7 @@ class Scales:
         """The scale of the gradient contribution `consumer` sends back."""
         kind = consumer[0]
         if kind in (graph.OUTPUT, graph.LOSS):
-            return self.unit
+            return 1.0  # T at the model outputs and the loss.
         call = self.plan.calls[consumer[1]]
         if kind == graph.ENTER:
             return self.slot(call.outputs[consumer[2]])

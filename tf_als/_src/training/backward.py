@@ -74,7 +74,7 @@ class Backward:
         self.config = config_module.ScalingConfig() if config is None else config
         self.record = pass_record.PassRecord() if record is None else record
         self.synchronized = frozenset(synchronized)
-        self.scales = algebra.Scales(plan)
+        self.carried = algebra.CarriedScales(plan)
         # (enclosing point, id(layer)) -> inner point index, and each inner
         # point's enclosing point (None for a subclassed model's root).
         inner = [p for p in points if p.call is None]
@@ -98,8 +98,8 @@ class Backward:
         @tf.custom_gradient
         def fork(x):
             def grad(*upstream):
-                scales = [self.scales.edge(c) for c in consumers]
-                common = self.scales.slot(slot)
+                scales = [self.carried.edge(c) for c in consumers]
+                common = self.carried.slot(slot)
                 parts = [
                     _rescale(dy, common, t)
                     for dy, t in zip(upstream, scales)
@@ -131,7 +131,7 @@ class Backward:
         @tf.custom_gradient
         def enter(x):
             def grad(dy):
-                t = self.scales.slot(slot)
+                t = self.carried.slot(slot)
                 return dy if t is None else _rescale(_dense(dy), 1.0, t)
 
             return tf.identity(x), grad
@@ -155,10 +155,10 @@ class Backward:
         @tf.custom_gradient
         def align(*xs):
             def grad(*upstream):
-                common = self.scales.call(call)
+                common = self.carried.call(call)
                 result = []
                 for i, dy in zip(floats, upstream):
-                    t = self.scales.slot(call.outputs[i])
+                    t = self.carried.slot(call.outputs[i])
                     result.append(dy if t is None else _rescale(dy, common, t))
                 return result
 
@@ -184,17 +184,17 @@ class Backward:
         """
 
         def backward(tape, ys, xs, variables, upstream, floats):
-            common = self.scales.call(call)
+            common = self.carried.call(call)
             common = 1.0 if common is None else common
             upstream = [
                 dy if t is None else _rescale(_dense(dy), common, t)
                 for dy, t in zip(
-                    upstream, [self.scales.slot(call.outputs[i]) for i in floats]
+                    upstream, [self.carried.slot(call.outputs[i]) for i in floats]
                 )
             ]
             scale = self._scale(call.point, upstream, common)
             scale_in = scale * common
-            self.scales.point_scales[call.index] = scale_in
+            self.carried.point_scales[call.index] = scale_in
             self._input_scales[call.point] = scale_in
             return self._inside(
                 call.point, tape, ys, xs, variables, upstream, scale, scale_in

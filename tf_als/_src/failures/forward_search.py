@@ -24,7 +24,7 @@ def first_non_finite(model: keras.Model, x, training: bool = True) -> Optional[F
     Example:
 
     ```python
-    forward.first_non_finite(model, x_batch)
+    forward_search.first_non_finite(model, x_batch)
     # Finding(layer='block_3/mlp', what='forward output', ...)
     ```
     """
@@ -50,7 +50,7 @@ def first_non_finite_output(
     Example:
 
     ```python
-    forward.first_non_finite_output(model, x_batch)   # "block_3/mlp"
+    forward_search.first_non_finite_output(model, x_batch)   # "block_3/mlp"
     ```
     """
     finding = first_non_finite(model, x, training)
