@@ -48,8 +48,10 @@ class Call:
             node, in `node.inputs` order; for `"enter"`, one
             per nested input, in the nested model's input order.
         outputs: the slot of each (flattened) output.
-        training: `True`/`False` when an enclosing nested model was called
-            with an explicit `training=` argument, else `None`.
+        training: the `training` flag an enclosing nested model's call
+            recorded (the outermost that recorded one), else `None`; it
+            applies only when the model is called without one, as in
+            Keras (`instrument._run_call`).
         point: index of the scaling point this call is (its `Point` is
             `Plan.points[point]`), or `None`.
     """
@@ -263,9 +265,14 @@ class _Builder:
     def _walk_nested(self, model, node, slot_of, scope, training):
         inner = functional_of(model, "nested model")
         args, kwargs = node.args, dict(node.kwargs)
+        # Keras 3.15's `Functional.call` hands its own `training` to every
+        # node it runs, over what the node was called with: a nested model
+        # called `base(x, training=False)` runs in training mode when the
+        # outer model does (keras-team/keras#20285). Its recorded flag
+        # counts only where no enclosing call gives one.
         if "training" in kwargs:
             explicit = kwargs.pop("training")
-            if explicit is not None:
+            if training is None and explicit is not None:
                 training = bool(explicit)
         kwargs.pop("mask", None)
         if len(args) != 1 or kwargs:

@@ -805,7 +805,8 @@ def _run_call(call, value, back, training) -> list:
     key = (graph.CALL, call.index)
     filled = {kid: value(slot, key) for kid, slot in call.inputs}
     args, kwargs = _keras.fill_in(call.node, filled)
-    context_training = training if call.training is None else call.training
+    # As `Functional.call`: the call's own flag wins over what was recorded.
+    context_training = call.training if training is None else training
     function = _keras.operation_fn(call.operation, context_training)
     if call.point is not None:
         return back.wrap_call(call, function, args, kwargs)
