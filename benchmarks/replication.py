@@ -137,12 +137,12 @@ class UnderflowProbe:
 
         import tf_als
 
-        self.plain = model.model if isinstance(model, tf_als.InstrumentedModel) else model
+        self.plain = model.uninstrumented() if isinstance(model, tf_als.InstrumentedModel) else model
         self.x, self.y = x, y
         self.loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         self.live_points = getattr(model, "scaling_points", None)
         # Never linked to an optimizer, so its scales stay as copied.
-        self.probe = tf_als.InstrumentedModel(self.plain) if self.live_points else None
+        self.probe = tf_als.instrument(self.plain) if self.live_points else None
         index = {id(v): i for i, v in enumerate(self.plain.trainable_variables)}
         self.layers = [
             (layer.name, [index[id(v)] for v in layer.trainable_weights])
@@ -242,7 +242,7 @@ def train(model_name, scaler, seed, data, epochs, measure_every, steps=None):
         shuffle=False, callbacks=[Measure()],
     )
     loss, accuracy = model.evaluate(data.x_test, data.y_test, verbose=0)
-    plain = model.model if isinstance(model, tf_als.InstrumentedModel) else model
+    plain = model.uninstrumented() if isinstance(model, tf_als.InstrumentedModel) else model
     finite = all(np.all(np.isfinite(w)) for w in plain.get_weights())
     final = probe.measure(optimizer) if probe is not None else {}
     result = {

@@ -36,8 +36,8 @@ def _train(strategy, weights):
         generator = tf_als.instrument(loops.mlp(loops.LATENT, 16, loops.FEATURES, "gen", seed=1))
         critic = tf_als.instrument(loops.mlp(loops.FEATURES, 16, 1, "critic", "tanh", seed=2))
         if weights is not None:
-            generator.model.set_weights(weights["generator"])
-            critic.model.set_weights(weights["critic"])
+            generator.uninstrumented().set_weights(weights["generator"])
+            critic.uninstrumented().set_weights(weights["critic"])
         gan = loops.GAN(generator, critic)
 
         def optimizer():
@@ -53,8 +53,8 @@ def _train(strategy, weights):
         gan.g_optimizer.build(generator.trainable_variables)
         gan.built = True
     initial = {
-        "generator": generator.model.get_weights(),
-        "critic": critic.model.get_weights(),
+        "generator": generator.uninstrumented().get_weights(),
+        "critic": critic.uninstrumented().get_weights(),
     }
     gan.fit(
         loops.data(STEPS * GLOBAL_BATCH), batch_size=GLOBAL_BATCH,
@@ -80,7 +80,7 @@ def _summary(gan, initial):
             components = getattr(value, "values", None) or (value,)
             replicas[variable] = [np.asarray(v).tolist() for v in components]
         result[name] = {
-            "weights": [np.asarray(w).tolist() for w in model.model.get_weights()],
+            "weights": [np.asarray(w).tolist() for w in model.uninstrumented().get_weights()],
             "initial": [np.asarray(w).tolist() for w in initial[name]],
             "scales": tf_als.scales(model),
             "iterations": int(np.asarray(optimizer.iterations)),

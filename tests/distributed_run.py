@@ -154,7 +154,7 @@ def _make(strategy, initial_weights):
     with strategy.scope():
         keras.utils.set_random_seed(0)
         model = tf_als.instrument(build())
-        model.model.set_weights(initial_weights)
+        model.uninstrumented().set_weights(initial_weights)
         optimizer = tf_als.AdaptiveLossScaleOptimizer(
             keras.optimizers.SGD(LEARNING_RATE),
             telemetry_interval=INTERVAL,
@@ -228,8 +228,8 @@ def summary(model, optimizer, per_step):
     import tf_als
 
     return {
-        "weights": [np.asarray(v).tolist() for v in model.model.get_weights()],
-        "weight_names": [v.path for v in model.model.weights],
+        "weights": [np.asarray(v).tolist() for v in model.uninstrumented().get_weights()],
+        "weight_names": [v.path for v in model.uninstrumented().weights],
         "trainable_shapes": [list(v.shape) for v in model.trainable_variables],
         "scales": tf_als.scales(model),
         "states": [point.read() for point in model.scaling_points],

@@ -104,7 +104,7 @@ def model_state(model):
     names differ between the compared models)."""
     state = {
         f"weights[{i}] ({w.name})": np.array(w)
-        for i, w in enumerate(model.model.weights)
+        for i, w in enumerate(model.uninstrumented().weights)
     }
     for j, point in enumerate(model.scaling_points):
         for name in ("scale", "record", "histogram", "last_update"):

@@ -443,7 +443,7 @@ def test_diagnostic_patches_hold_for_their_own_thread_only():
 # the recovery beside it, which calls back into the model).
 LAYERS = ("scaling", "model", "training", "failures", "monitoring", "demo")
 ASSEMBLERS = {
-    "_src.model.instrument": {"training", "failures"},
+    "_src.model.instrumented": {"training", "failures"},
     "_src.training.optimizer": {"failures"},
 }
 

@@ -62,16 +62,16 @@ def test_check_promotes_both_norms_and_nothing_else():
     outcome = preflight.check(model, (x, None, None), None, 2.0**15, step=0)
     assert {p.layer for p in outcome.promotions} == {"positive", "centred"}
     assert outcome.stopped is None
-    assert model.model.get_layer("healthy").compute_dtype == "float16"
+    assert model.uninstrumented().get_layer("healthy").compute_dtype == "float16"
     # Promoted, they match float32 within float16's rounding of the Dense
     # between them (the norms divide by a standard deviation of ~1).
     keras.mixed_precision.set_global_policy("float32")
     reference = _norms_model()
-    reference.set_weights(model.model.get_weights())
+    reference.set_weights(model.uninstrumented().get_weights())
     np.testing.assert_allclose(
-        np.asarray(model.model(x), "float32"), reference(x), rtol=0, atol=2e-2
+        np.asarray(model.uninstrumented()(x), "float32"), reference(x), rtol=0, atol=2e-2
     )
-    assert preflight.forward_failures(model.model, (x, None, None)) == []
+    assert preflight.forward_failures(model.uninstrumented(), (x, None, None)) == []
 
 
 def test_targets_float16_cannot_hold_fail_their_output_layer():
@@ -131,7 +131,7 @@ def test_the_scale_chosen_is_the_largest_finite_power_of_two(target):
     )
     outcome = preflight.check(model, batch, _mse, 2.0**15, step=0)
     assert outcome.promotions == ()
-    assert outcome.scale == _largest_finite_scale(model.model, batch)
+    assert outcome.scale == _largest_finite_scale(model.uninstrumented(), batch)
 
 
 def test_fit_checks_the_first_batch_and_skips_nothing_for_it():
@@ -148,7 +148,7 @@ def test_fit_checks_the_first_batch_and_skips_nothing_for_it():
         model.fit(x, y, batch_size=32, epochs=4, verbose=0)
     assert int(optimizer.iterations.numpy()) == 4
     expected = preflight.check(
-        tf_als.instrument(_copy(model.model)), (x, y, None), _mean_squared, 2.0**15, 0
+        tf_als.instrument(_copy(model.uninstrumented())), (x, y, None), _mean_squared, 2.0**15, 0
     ).scale
     assert float(optimizer.dynamic_scale.numpy()) == expected
 
@@ -163,7 +163,7 @@ def _mean_squared(x, y, y_pred, sample_weight):
     return keras.losses.MeanSquaredError()(y, y_pred)
 
 
-def test_float32_outputs_casts_exactly_and_round_trips():
+def test_float32_outputs_casts_exactly_and_round_trips(tmp_path):
     keras.utils.set_random_seed(0)
     inputs = keras.Input((4,))
     plain = keras.Model(inputs, layers.Dense(3, name="out")(inputs))
@@ -172,9 +172,9 @@ def test_float32_outputs_casts_exactly_and_round_trips():
     out = model(x, training=True)
     assert out.dtype == tf.float32
     np.testing.assert_array_equal(np.asarray(out), np.asarray(plain(x), "float32"))
-    assert model.get_config()["float32_outputs"] is True
-    restored = tf_als.InstrumentedModel.from_config(model.get_config())
-    assert restored.float32_outputs is True
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    assert keras.models.load_model(path).float32_outputs is True
     with pytest.raises(ValueError, match="`float32_outputs` must be True or False; received 1"):
         tf_als.instrument(plain, float32_outputs=1)
 

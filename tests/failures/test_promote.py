@@ -125,7 +125,7 @@ class Schedule(keras.callbacks.Callback):
             self.after_promotion.append(
                 (
                     float(self.model.optimizer.dynamic_scale.numpy()),
-                    largest_finite_scale(self.model.model, self.loss, self.batches),
+                    largest_finite_scale(self.model.uninstrumented(), self.loss, self.batches),
                 )
             )
         action = self.actions.get(self.count)
@@ -177,8 +177,8 @@ def test_fit_promotes_the_layer_before_the_first_step_and_trains_like_float32(ji
     assert tf_als.promoted(model) == [
         promote.Promotion(layer="hot", reason=promote.FORWARD, step=0)
     ]
-    assert model.model.get_layer("hot").compute_dtype == "float32"
-    assert model.model.get_layer("first").compute_dtype == "float16"
+    assert model.uninstrumented().get_layer("hot").compute_dtype == "float32"
+    assert model.uninstrumented().get_layer("first").compute_dtype == "float16"
     assert int(model.optimizer.iterations.numpy()) == STEPS  # nothing skipped
     expected_scale = largest_finite_scale(
         build(promoted={"hot"}), search_loss, batches_of(x, y)[:1]
@@ -250,7 +250,7 @@ def test_evaluate_and_predict_after_a_promotion_compute_the_layer_in_float32():
     with pytest.warns(UserWarning, match="promoted layer 'hot'"):
         model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0)
     fix = build(promoted={"hot"}, armed=False)
-    fix.set_weights(model.model.get_weights())
+    fix.set_weights(model.uninstrumented().get_weights())
     fix.compile(loss=loss_fn())
     np.testing.assert_array_equal(model.predict(x, verbose=0), fix.predict(x, verbose=0))
     assert model.evaluate(x, y, verbose=0) == fix.evaluate(x, y, verbose=0)
@@ -326,7 +326,7 @@ def test_a_custom_loop_that_checks_with_the_loss_promotes_at_its_first_check():
             (
                 float(opt.dynamic_scale.numpy()),
                 largest_finite_scale(
-                    model.model, search_loss, [(x[:BATCH], y[:BATCH], None)]
+                    model.uninstrumented(), search_loss, [(x[:BATCH], y[:BATCH], None)]
                 ),
             )
         ),
@@ -347,7 +347,7 @@ def test_promotions_survive_save_and_load(tmp_path):
     model.save(path)
     loaded = keras.models.load_model(path)
     assert tf_als.promoted(loaded) == tf_als.promoted(model)
-    assert loaded.model.get_layer("hot").compute_dtype == "float32"
+    assert loaded.uninstrumented().get_layer("hot").compute_dtype == "float32"
     np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
     # Training resumes without skipping.
     before = int(loaded.optimizer.iterations.numpy())
@@ -410,7 +410,7 @@ def test_past_the_cap_of_distinct_failures_it_stops_listing_what_it_promoted():
     assert promote.failures(model) == {
         (f"Hot{k}", promote.FORWARD) for k in range(4)
     }
-    assert model.model.get_layer("hot4").compute_dtype == "float16"
+    assert model.uninstrumented().get_layer("hot4").compute_dtype == "float16"
 
 
 def test_the_cap_counts_failures_not_layers():
@@ -562,9 +562,9 @@ def test_promotions_survive_a_checkpoint(tmp_path):
     fresh.optimizer.build(fresh.trainable_variables)
     status = tf.train.Checkpoint(model=fresh, optimizer=fresh.optimizer).restore(path)
     status.assert_existing_objects_matched()
-    assert fresh.model.get_layer("hot").compute_dtype == "float16"  # not yet
+    assert fresh.uninstrumented().get_layer("hot").compute_dtype == "float16"  # not yet
     assert tf_als.promoted(fresh) == tf_als.promoted(model)
-    assert fresh.model.get_layer("hot").compute_dtype == "float32"
+    assert fresh.uninstrumented().get_layer("hot").compute_dtype == "float32"
     np.testing.assert_array_equal(fresh.predict(x, verbose=0), model.predict(x, verbose=0))
     before = int(fresh.optimizer.iterations.numpy())
     fresh.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
@@ -593,7 +593,7 @@ with warnings.catch_warnings():
 print("PROMOTED", [(p.layer, p.step) for p in tf_als.promoted(model)])
 print("ITERATIONS", int(model.optimizer.iterations.numpy()))
 print("FINITE", bool(np.all(np.isfinite(history.history["loss"]))))
-for v in model.model.weights:
+for v in model.uninstrumented().weights:
     values = [r.numpy() for r in strategy.experimental_local_results(v)]
     assert all(np.array_equal(values[0], r) for r in values[1:]), v.path
 print("REPLICAS_EQUAL", True)

@@ -104,7 +104,7 @@ def _search_loss(x, y, y_pred, sample_weight):
 def arm(model):
     """Sets the temperature to `ARMED`: from now on its float16 weight
     gradient overflows at every scale."""
-    model.model.get_layer("temperature").t.assign(ARMED)
+    model.uninstrumented().get_layer("temperature").t.assign(ARMED)
 
 
 def test_the_healthy_temperature_has_finite_gradients_at_the_initial_scale():
@@ -204,8 +204,8 @@ def test_fit_promotes_the_layer_before_the_first_step_and_trains_like_float32(ji
     assert tf_als.promoted(model) == [
         promote.Promotion(layer="temperature", reason=REASON, step=0)
     ]
-    assert model.model.get_layer("temperature").compute_dtype == "float32"
-    assert model.model.get_layer("first").compute_dtype == "float16"
+    assert model.uninstrumented().get_layer("temperature").compute_dtype == "float32"
+    assert model.uninstrumented().get_layer("first").compute_dtype == "float16"
     assert int(model.optimizer.iterations.numpy()) == STEPS  # nothing skipped
     expected_scale = largest_finite_scale(
         build(promoted={"temperature"}), _search_loss, [(x[:BATCH], y[:BATCH], None)]
@@ -286,7 +286,7 @@ def _alternate(opt, model, steps, arm_later=False):
                     before,
                     float(opt.dynamic_scale.numpy()),
                     skips,
-                    largest_finite_scale(model.model, _search_loss, [(xb, yb, None)]),
+                    largest_finite_scale(model.uninstrumented(), _search_loss, [(xb, yb, None)]),
                 )
             )
         if arm_later and i == 0:
@@ -349,7 +349,7 @@ def _first_check_promotes(compiled):
         promoted_hook=lambda made: scales.append(
             (
                 float(opt.dynamic_scale.numpy()),
-                largest_finite_scale(model.model, _search_loss, [(xb, yb, None)]),
+                largest_finite_scale(model.uninstrumented(), _search_loss, [(xb, yb, None)]),
             )
         ),
     )
@@ -388,7 +388,7 @@ def test_a_storm_in_a_custom_loop_promotes_and_recalibrates_the_scale():
             promoted_hook=lambda made: scales.append(
                 (
                     float(opt.dynamic_scale.numpy()),
-                    largest_finite_scale(model.model, _search_loss, [(xb, yb, None)]),
+                    largest_finite_scale(model.uninstrumented(), _search_loss, [(xb, yb, None)]),
                 )
             ),
         )

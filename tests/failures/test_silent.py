@@ -55,7 +55,7 @@ def _batch(seed=0, size=32):
 def _references(model, x):
     """{point name: float16 output} of each point on `x`, computed apart
     from the instrumented model (the original layers, called eagerly)."""
-    layers = {layer.name: layer for layer in model.model.layers}
+    layers = {layer.name: layer for layer in model.uninstrumented().layers}
     big = layers["big"](x)
     head = layers["head"](layers["rescaling"](big))
     assert big.dtype == head.dtype == tf.float16

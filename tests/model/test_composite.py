@@ -75,7 +75,7 @@ def test_a_point_at_every_weight_owning_layer_call(mixed, case):
     calls = _leaf_calls(model, x)
     instrumented = tf_als.instrument(model)
     infos = tf_als.points(instrumented)
-    layers = instrumented.point_layers
+    layers = tuple(p.layer for p in instrumented.point_records)
     leaf_points = [
         layer for info, layer in zip(infos, layers) if info.kind == "layer"
     ]

@@ -109,13 +109,13 @@ def test_exported_artifacts_serve_predict_exactly_without_tf_als(mixed, tmp_path
             write(directory)
             served = x
             if how != "export_signature" and graph_module.is_subclassed(
-                instrumented.model
+                instrumented.uninstrumented()
             ):
                 # Keras signs a subclassed model's artifact with the
                 # model's input dtype, float16 under mixed_float16 (a
                 # plain subclassed model too); its first layer casts the
                 # float32 batch `predict` gets to the same float16 values.
-                served = x.astype(instrumented.model.input_dtype)
+                served = x.astype(instrumented.uninstrumented().input_dtype)
             np.save(directory + ".x.npy", served)
             np.save(directory + ".expected.npy", expected)
             directories.append(directory)

@@ -66,7 +66,7 @@ def test_masks_propagate_through_scaling_points(mixed):
 def test_shares_layers_and_weights(mixed):
     _, model = architectures.CASES[5].build_pair()  # shared_layer
     instrumented = tf_als.instrument(model)
-    assert instrumented.model is model
+    assert instrumented.uninstrumented() is model
     assert [id(v) for v in instrumented.trainable_variables] == [
         id(v) for v in model.trainable_variables
     ]
@@ -146,15 +146,21 @@ def test_subclassed_model_inside_is_one_point(mixed):
     np.testing.assert_array_equal(np.asarray(instrumented(x)), np.asarray(model(x)))
 
 
-def test_config_round_trip(mixed):
+def test_config_is_the_users_and_a_bare_from_config_says_what_to_do(mixed):
+    """`get_config` is the user's model's own (the instrumented model is an
+    instance of its class); rebuilding from it gives the user's model.
+    `InstrumentedModel.from_config` needs the whole saved config and says
+    how to load one instead."""
     _, model = architectures.CASES[5].build_pair()
     instrumented = tf_als.instrument(model)
     config = instrumented.get_config()
-    assert set(config) == {"name", "trainable", "model", "promotions", "float32_outputs"}
-    assert config["promotions"] == []
-    clone = tf_als.InstrumentedModel.from_config(config)
-    assert list(tf_als.scales(clone)) == list(tf_als.scales(instrumented))
-    assert clone.name == instrumented.name
+    assert config == model.get_config()
+    serialized = keras.saving.serialize_keras_object(instrumented)
+    assert serialized["registered_name"] == keras.saving.get_registered_name(type(model))
+    clone = keras.saving.deserialize_keras_object(serialized)
+    assert type(clone) is type(model) and clone.get_config() == config
+    with pytest.raises(ValueError, match="keras.models.load_model"):
+        tf_als.InstrumentedModel.from_config(config)
 
 
 def test_save_and_load_keeps_scales_and_sharing(mixed, tmp_path):
@@ -168,7 +174,7 @@ def test_save_and_load_keeps_scales_and_sharing(mixed, tmp_path):
     assert isinstance(loaded, tf_als.InstrumentedModel)
     assert tf_als.scales(loaded) == tf_als.scales(instrumented)
     shared = [
-        layer for layer in loaded.model.layers if layer.name == "shared"
+        layer for layer in loaded.uninstrumented().layers if layer.name == "shared"
     ]
     assert len(shared) == 1 and len(shared[0]._inbound_nodes) == 2
     x, _ = architectures.CASES[5].data()
@@ -255,16 +261,28 @@ def test_activity_regularizer_on_a_weight_layer_is_refused(mixed):
         tf_als.instrument(keras.Model(inputs, outputs))
 
 
-def test_compile_needs_an_adaptive_optimizer(mixed):
+def test_compile_wraps_any_optimizer_in_an_adaptive_one(mixed):
+    """As Keras wraps an optimizer in a `LossScaleOptimizer` under
+    `mixed_float16`, the instrumented model's compile (its own, or a
+    model class's that hands on to it) makes every optimizer an
+    `AdaptiveLossScaleOptimizer`: a name or a plain optimizer wrapped, a
+    Keras `LossScaleOptimizer` converted with its knobs."""
     _, model = architectures.CASES[0].build_pair()
     instrumented = tf_als.instrument(model)
-    with pytest.raises(TypeError, match="AdaptiveLossScaleOptimizer"):
-        instrumented.compile(optimizer="adam", loss="mse")
-    with pytest.raises(TypeError, match="AdaptiveLossScaleOptimizer"):
-        instrumented.compile(
-            optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()),
-            loss="mse",
-        )
+    instrumented.compile(optimizer="adam", loss="mse")
+    assert isinstance(instrumented.optimizer, tf_als.AdaptiveLossScaleOptimizer)
+    assert isinstance(instrumented.optimizer.inner_optimizer, keras.optimizers.Adam)
+    keras_scaler = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(), initial_scale=2.0**9, dynamic_growth_steps=7
+    )
+    instrumented.compile(optimizer=keras_scaler, loss="mse")
+    ours = instrumented.optimizer
+    assert isinstance(ours, tf_als.AdaptiveLossScaleOptimizer)
+    assert ours.inner_optimizer is keras_scaler.inner_optimizer
+    assert (ours.initial_scale, ours.dynamic_growth_steps) == (2.0**9, 7)
+    mine = tf_als.AdaptiveLossScaleOptimizer(keras.optimizers.Adam())
+    instrumented.compile(optimizer=mine, loss="mse")
+    assert instrumented.optimizer is mine
 
 
 def test_scales_of_a_plain_model_is_an_error(mixed):
@@ -368,23 +386,16 @@ def test_fit_traces_the_train_step_once(mixed, data):
     assert np.isfinite(history.history["accuracy"]).all()
 
 
-def test_the_summary_says_what_the_scaling_state_row_is(mixed, capsys):
+def test_layers_and_summary_read_as_the_users_model(mixed, capsys):
+    """tf_als's state is not among the instrumented model's layers:
+    `layers`, `get_layer`, `weights` and `summary` read as the user's."""
     _, model = architectures.CASES[5].build_pair()  # shared_layer
     instrumented = tf_als.instrument(model)
-    points = len(tf_als.points(instrumented))
-    state = instrumented.scaling_state
-    note = (
-        f"scaling_state (ScalingState): not a layer the model calls (no "
-        f"output shape), tf_als's state: the loss scales and records of "
-        f"{points} scaling points, {state.count_params():,} non-trainable "
-        "values saved with the model. tf_als.scales(model) reads the "
-        "scales; tf_als.points(model) lists the points."
-    )
-    printed = []
+    assert [l.name for l in instrumented.layers] == [l.name for l in model.layers]
+    assert all(a is b for a, b in zip(instrumented.layers, model.layers))
+    assert instrumented.get_layer("shared") is model.get_layer("shared")
+    assert [id(w) for w in instrumented.weights] == [id(w) for w in model.weights]
+    printed, expected = [], []
     instrumented.summary(print_fn=printed.append)
-    assert len(printed) == 2 and printed[1] == note
-    assert "scaling_state (ScalingState)" in printed[0]  # the row it explains
-    assert f"{state.count_params():,}" in printed[0]
-    capsys.readouterr()
-    instrumented.summary()
-    assert capsys.readouterr().out.rstrip().endswith(note)
+    model.summary(print_fn=expected.append)
+    assert printed == expected

@@ -114,14 +114,14 @@ def test_history_records_every_update(mixed):
     assert max(v["scale"][-1] for v in record["points"].values()) > 1.0
     # The forward headroom of each float16 output is measured (and far
     # from float16's maximum here); the float32 head has none (0).
-    for name, layer in zip(names, model.point_layers):
+    for name, layer in zip(names, [p.layer for p in model.point_records]):
         values = record["points"][name]
         if layer.compute_dtype == "float16":
             assert 0.0 < values["forward_amax"][-1] < 65504.0 / 16, name
         else:
             assert values["forward_amax"] == [0.0] * 3, name
         assert values["forward_near_max_fraction"] == [0.0] * 3, name
-    assert [layer.compute_dtype for layer in model.point_layers].count("float32") == 1
+    assert [layer.compute_dtype for layer in [p.layer for p in model.point_records]].count("float32") == 1
     json.dumps(record)  # plain Python data
 
 

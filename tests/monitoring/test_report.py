@@ -226,7 +226,7 @@ def test_works_on_a_subclassed_model(mixed):
     report = tf_als.diagnose(model, x, y, loss=loss, verbose=False)
     instrumented = tf_als.instrument(model)
     weighted = [
-        info.name for info, layer in zip(tf_als.points(instrumented), instrumented.point_layers)
+        info.name for info, layer in zip(tf_als.points(instrumented), tuple(p.layer for p in instrumented.point_records))
         if composite.point_weights(layer)
     ]
     assert [r.point for r in report.rows] == weighted

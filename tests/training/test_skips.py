@@ -96,7 +96,7 @@ def _query_key_errors(model, optimizer, build, loss, x, y):
     same per-layer scales rule and global scale; learning rate 0)."""
     with _policy("float32"):
         reference = build()
-    reference.set_weights(model.model.get_weights())
+    reference.set_weights(model.uninstrumented().get_weights())
     expected = gradients.float32_gradients(reference, x, y, loss)
     recorder = tf_als.AdaptiveLossScaleOptimizer(
         gradients.GradientRecorder(), max_consecutive_skips=None
@@ -105,7 +105,7 @@ def _query_key_errors(model, optimizer, build, loss, x, y):
     recorder.dynamic_scale.assign(optimizer.dynamic_scale)
     als, _ = gradients.applied_gradients(model, recorder, x, y, loss)
     errors = {}
-    for variable, got, truth in zip(model.model.trainable_variables, als, expected):
+    for variable, got, truth in zip(model.uninstrumented().trainable_variables, als, expected):
         if variable.path.endswith(("query/kernel", "key/kernel")):
             errors[variable.path] = gradients.compare(got, truth)["relative_error"]
     return errors

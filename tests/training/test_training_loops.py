@@ -106,9 +106,9 @@ def test_fit_ends_bitwise_where_the_same_step_run_by_hand_ends():
 
 def test_methods_and_attributes_of_the_users_class_stay_reachable():
     model = _counting()
-    assert model.hidden is model.model.hidden  # The same layer.
+    assert model.hidden is model.uninstrumented().hidden  # The same layer.
     x = np.ones((2, loops.FEATURES), "float32")
-    np.testing.assert_array_equal(model.predict_twice(x), model.model(x) * 2.0)
+    np.testing.assert_array_equal(model.predict_twice(x), model.uninstrumented()(x) * 2.0)
     with pytest.raises(AttributeError, match="no attribute 'missing'"):
         model.missing
 
@@ -118,7 +118,7 @@ def test_a_model_named_with_a_leading_underscore():
     model.compile(optimizer=_optimizer("tf_als"), loss="mse", jit_compile=False)
     x, y = _regression(16)
     model.fit(x, y, batch_size=8, verbose=0)
-    assert model.name == "my_model_instrumented"
+    assert model.name == "my_model"
     assert int(model.steps_run.numpy()) == 2
 
 
@@ -139,7 +139,12 @@ class _ExtendsKerasStep(_Base):
 
 
 class _ExtendsUserStep(_ExtendsKerasStep):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.outer_calls = keras.Variable(0, dtype="int32", trainable=False)
+
     def train_step(self, data):
+        self.outer_calls.assign_add(1)
         return super().train_step(data)  # _ExtendsKerasStep's.
 
 
@@ -153,11 +158,19 @@ def test_a_train_step_that_calls_super_reaches_keras_step(mixed):
     assert _updated(model)
 
 
-def test_super_into_another_user_class_is_refused_with_the_fix(mixed):
+def test_super_chains_through_the_users_classes(mixed):
+    """`_ExtendsUserStep.train_step` -> `_ExtendsKerasStep.train_step` ->
+    Keras's: every class's step runs once a batch, on the instrumented
+    model, and Keras's step trains through the scaling points."""
     model = _ExtendsUserStep()
     model(np.zeros((1, 3), "float32"))
-    with pytest.raises(ValueError, match=r"_ExtendsKerasStep.train_step\(self"):
-        tf_als.instrument(model)
+    model = tf_als.instrument(model)
+    assert isinstance(model, _ExtendsUserStep)
+    model.compile(optimizer=_optimizer("tf_als"), loss="mse", jit_compile=False)
+    model.fit(np.ones((16, 3)), np.ones((16, 4)), batch_size=8, verbose=0)
+    assert (int(model.outer_calls.numpy()), int(model.calls.numpy())) == (2, 2)
+    assert int(model.optimizer.iterations.numpy()) == 2
+    assert _updated(model)
 
 
 # -- GANs: two models, two optimizers, a critic inside the generator's step --

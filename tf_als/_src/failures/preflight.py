@@ -112,12 +112,12 @@ def run(
         outcome = check(model, batch, loss_fn, scale, step, choose=False)
         if outcome.promotions or outcome.stopped is not None:
             if outcome.promotions and loss_fn is not None:
-                chosen = largest_finite_scale(model.model, batch, loss_fn, scale)
+                chosen = largest_finite_scale(model.uninstrumented(), batch, loss_fn, scale)
                 outcome = dataclasses.replace(outcome, scale=chosen)
             return outcome
     if not choose or first is None or loss_fn is None:
         return Outcome((), None, None)
-    return Outcome((), largest_finite_scale(model.model, first, loss_fn, scale), None)
+    return Outcome((), largest_finite_scale(model.uninstrumented(), first, loss_fn, scale), None)
 
 
 def check(
@@ -160,14 +160,14 @@ def check(
     made, previous = [], {}
     top = math.floor(math.log2(scale))
     while True:
-        findings = forward_failures(model.model, batch, training, loss_fn)
+        findings = forward_failures(model.uninstrumented(), batch, training, loss_fn)
         at_top = None
         if not findings and loss_fn is not None:
             # Finite at the initial scale: finite below it too (a smaller
             # scale can only underflow), so nothing fails backward.
-            at_top = _probe(model.model, batch, loss_fn, top, training)
+            at_top = _probe(model.uninstrumented(), batch, loss_fn, top, training)
             if at_top is not None:
-                findings = backward_failures(model.model, batch, loss_fn, training)
+                findings = backward_failures(model.uninstrumented(), batch, loss_fn, training)
         again = [f for f in findings if f.layer in previous]
         if again:
             return _taken_back(model, made, previous, again[0])
@@ -180,7 +180,7 @@ def check(
         chosen = None
         if choose and loss_fn is not None:
             chosen = 2.0**top if at_top is None else largest_finite_scale(
-                model.model, batch, loss_fn, scale, training
+                model.uninstrumented(), batch, loss_fn, scale, training
             )
         return Outcome(tuple(made), chosen, None)
 

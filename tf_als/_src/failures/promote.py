@@ -100,7 +100,7 @@ def failures(model: keras.Model) -> set:
     failure, however many there are."""
     found = set()
     for promotion in model.promotions:
-        layer = _layer_at(model.model, promotion.layer)
+        layer = _layer_at(model.uninstrumented(), promotion.layer)
         found.add((type(layer).__name__, kind(promotion.reason)))
     return found
 
@@ -122,7 +122,7 @@ def promote_all(model: keras.Model, findings, step: int, previous=None) -> tuple
     """
     made = []
     for finding in findings:
-        layer = _layer_at(model.model, finding.layer)
+        layer = _layer_at(model.uninstrumented(), finding.layer)
         if layer is None:
             return tuple(made), f"layer {finding.layer!r} is not a layer of the model"
         if layer.compute_dtype == "float32":
@@ -154,7 +154,7 @@ def promote_all(model: keras.Model, findings, step: int, previous=None) -> tuple
 def undo(model: keras.Model, path: str, policy: str) -> None:
     """Takes back the promotion of the layer at `path`, which computes under
     `policy` again (it failed in float32 too)."""
-    _keras.set_dtype_policy(_layer_at(model.model, path), policy)
+    _keras.set_dtype_policy(_layer_at(model.uninstrumented(), path), policy)
     model.promotions[:] = [p for p in model.promotions if p.layer != path]
     _log(model)
 
@@ -164,7 +164,7 @@ def restore(model: keras.Model, records: Iterable[dict]) -> None:
     `model` does not have yet, in order."""
     for record in list(records)[len(model.promotions):]:
         promotion = Promotion(**record)
-        layer = _layer_at(model.model, promotion.layer)
+        layer = _layer_at(model.uninstrumented(), promotion.layer)
         if layer is None:
             raise ValueError(
                 f"The saved model promoted layer {promotion.layer!r} to "

@@ -238,7 +238,7 @@ class NonFiniteGuard(keras.callbacks.Callback):
         rescued = optimizer.promote_on_storm and bool(optimizer.applied_models())
         if self._input_batches is None or loss_finite != 0 or rescued:
             return None
-        model = getattr(self.model, "model", self.model)  # the plain layers
+        model = _plain(self.model)  # the plain layers
         finding = forward_search.search(model, self._input_batches())
         if finding is None:
             return (
@@ -251,3 +251,10 @@ class NonFiniteGuard(keras.callbacks.Callback):
             "dtype='float32' (it then computes in float32; its weights are "
             "float32 already)."
         )
+
+
+def _plain(model):
+    """The layers of `model` without scaling points: an instrumented
+    model's `uninstrumented()`, any other model itself."""
+    uninstrumented = getattr(model, "uninstrumented", None)
+    return model if uninstrumented is None else uninstrumented()

@@ -5,6 +5,7 @@ a Keras upgrade is checked here and nowhere else.
 """
 
 import contextlib
+import copy
 import functools
 import inspect
 import threading
@@ -447,3 +448,140 @@ def export_input_signature(model) -> list:
     from keras.src.export import export_utils
 
     return export_utils.get_input_signature(model)
+
+
+# Keras 3.15's `Layer` and `Trainer` containers an instance keeps for
+# itself: the tracker's lists, the losses, TensorFlow's checkpoint
+# dependencies. A copy of a model's state gets copies of them (`fork`).
+_OWN_CONTAINERS = (
+    "_layers", "_trainable_variables", "_non_trainable_variables", "_metrics",
+    "_seed_generators", "_losses", "_loss_ids", "_losses_override", "_tracked",
+    "_self_unconditional_checkpoint_dependencies",
+    "_self_unconditional_dependency_names",
+    "_self_unconditional_deferred_dependencies",
+    "_self_name_based_restores", "_self_saveable_object_factories",
+)
+# What `compile` and `fit` left on a model, which a fresh model has not.
+_TRAINING_ATTRIBUTES = (
+    "optimizer", "_compile_config", "_compiled_trainable_state", "history",
+    "stop_training", "_eval_epoch_iterator", "_predict_epoch_iterator",
+)
+
+
+def fork(model, cls):
+    """A new instance of `cls` (a subclass of `type(model)`) holding
+    `model`'s state: the same layers, variables, attributes and config
+    (its class's methods run on it as on `model`), with containers of its
+    own, so that tracking something on one model leaves the other alone,
+    and no training state: not compiled, no optimizer, no traced steps.
+    `cls.__init__` is not run (its arguments are not known). Keras 3.15
+    `Layer._initialize_tracker`, `Tracker.stored_ids`, the tracked
+    containers' `tracker`, `Trainer.__init__` and the containers above;
+    public: none (`keras.models.clone_model` makes new layers and
+    weights)."""
+    from keras.src.models import model as model_module
+
+    clone = object.__new__(cls)
+    state = dict(vars(model))
+    for name in _TRAINING_ATTRIBUTES:
+        state.pop(name, None)
+    for name in _OWN_CONTAINERS:
+        if name in state:
+            state[name] = copy.copy(state[name])
+    del state["_tracker"]
+    vars(clone).update(state)
+    tracked = {name: list(getattr(model, name)) for name in _TRACKER_LISTS}
+    clone._initialize_tracker()
+    for name, values in tracked.items():
+        getattr(clone, name).extend(values)
+    for key, ids in model._tracker.stored_ids.items():
+        clone._tracker.stored_ids[key] = set(ids)
+    for name in _OWN_CONTAINERS:
+        container = vars(clone).get(name)
+        if hasattr(container, "tracker"):
+            # TensorFlow's checkpoint dependencies are not Keras state.
+            keras_state = not name.startswith("_self_")
+            container.tracker = clone._tracker if keras_state else None
+    model_module.Trainer.__init__(clone)
+    return clone
+
+
+# The lists `Layer._initialize_tracker` makes (Keras 3.15).
+_TRACKER_LISTS = (
+    "_trainable_variables", "_non_trainable_variables", "_layers", "_metrics",
+    "_seed_generators",
+)
+
+
+def set_untracked(owner, name: str, value) -> None:
+    """Sets `owner.name = value` without Keras's or TensorFlow's attribute
+    tracking (Keras 3.15 `Layer.__setattr__` would add a layer to
+    `owner.layers` and a list to its checkpoint dependencies): for
+    tf_als's own attributes of an instrumented model, which must not show
+    among the user's layers and weights."""
+    object.__setattr__(owner, name, value)
+
+
+def register_serialized_name(cls, name: str) -> None:
+    """Makes Keras write `name` as the `registered_name` of `cls`'s
+    instances when it serialises them, while `name` keeps loading what it
+    was registered for (no entry when `name` is `cls.__name__`, Keras's
+    default). Keras 3.15
+    `keras.src.saving.object_registration.GLOBAL_CUSTOM_NAMES`; the public
+    `keras.saving.register_keras_serializable` would also make `name` load
+    `cls`."""
+    from keras.src.saving import object_registration
+
+    if name != cls.__name__:
+        object_registration.GLOBAL_CUSTOM_NAMES[cls] = name
+
+
+@contextlib.contextmanager
+def serialized_as(cls, name: str):
+    """Within this block, instances of `cls` serialise with the
+    `registered_name` `name` (see `register_serialized_name`); the
+    previous name is back on exit."""
+    from keras.src.saving import object_registration
+
+    names = object_registration.GLOBAL_CUSTOM_NAMES
+    previous = names.get(cls)
+    names[cls] = name
+    try:
+        yield
+    finally:
+        if previous is None:
+            names.pop(cls, None)
+        else:
+            names[cls] = previous
+
+
+def deserializing(inner_config) -> dict:
+    """The whole serialised object (`module`, `class_name`,
+    `registered_name`, `build_config`, ...) whose `config` is
+    `inner_config`, while Keras deserialises it: Keras 3.15's
+    `keras.src.saving.serialization_lib.deserialize_keras_object` hands a
+    class's `from_config` the inner config only, and holds the whole one
+    as its local `config`. Raises `LookupError` when `from_config` was not
+    called from there (public: none)."""
+    import inspect
+
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code.co_name == "deserialize_keras_object":
+            config = frame.f_locals.get("config")
+            if isinstance(config, dict) and config.get("config") is inner_config:
+                return config
+        frame = frame.f_back
+    raise LookupError("not called by keras.saving.deserialize_keras_object")
+
+
+def print_message(message) -> None:
+    """Prints `message` as Keras prints its own messages: to stdout, or to
+    the log when `keras.config.disable_interactive_logging()` was called
+    (public: `keras.config.is_interactive_logging_enabled`)."""
+    from absl import logging as absl_logging
+
+    if keras.config.is_interactive_logging_enabled():
+        print(message)
+    else:
+        absl_logging.info(message)

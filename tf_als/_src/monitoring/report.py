@@ -24,7 +24,8 @@ from tf_als._src.failures import forward_search
 from tf_als._src.failures import locate
 from tf_als._src.failures import nonfinite
 from tf_als._src.scaling import rule
-from tf_als._src.model.instrument import InstrumentedModel
+from tf_als._src.model import instrumented as instrumented_module
+from tf_als._src.model.instrumented import InstrumentedModel
 from tf_als._src.training.optimizer import AdaptiveLossScaleOptimizer
 
 MAX_HALVINGS = 64
@@ -247,7 +248,7 @@ def diagnose(model, x, y, loss=None, *, training=True, verbose=True) -> Diagnosi
     report.underflowing(scaling="tf_als")   # []
     ```
     """
-    source = model.model if isinstance(model, InstrumentedModel) else model
+    source = model.uninstrumented() if isinstance(model, InstrumentedModel) else model
     loss_fn = _loss_function(model, loss)
     if not isinstance(source, keras.Model):
         raise TypeError(
@@ -308,7 +309,7 @@ def _compare(source, variables, batch, expected, loss32):
     keras_gradients = _gradient_pass(source, variables, batch)
     (keras_grads, loss16), keras_scale = _until_finite(keras_gradients)
 
-    instrumented = InstrumentedModel(source)
+    instrumented = instrumented_module.make(source)
     als_gradients = _gradient_pass(
         instrumented, instrumented.trainable_variables, batch, _scaling_config()
     )
@@ -534,7 +535,7 @@ def _rows(instrumented, states, present, expected, keras_grads, als_grads):
     weighted layer, inside opened composites too, `states` holding each
     point's `ScalingPoint.read()` values. Variables without a gradient are
     left out (`Diagnosis.no_gradient` lists them)."""
-    index = {id(v): i for i, v in enumerate(instrumented.model.trainable_variables)}
+    index = {id(v): i for i, v in enumerate(instrumented.uninstrumented().trainable_variables)}
     rows = []
     records = instrumented.point_records
     for point, record, state in zip(instrumented.scaling_points, records, states):
@@ -737,7 +738,7 @@ def _locate_non_finite(probe, grads, states):
     values (`locate`), from a probe pass of the instrumented model `probe`
     whose `states` (`_point_rows`) hold each point's incoming amax."""
     plan = probe.plan
-    index = {id(v): i for i, v in enumerate(probe.model.trainable_variables)}
+    index = {id(v): i for i, v in enumerate(probe.uninstrumented().trainable_variables)}
     incoming = {
         point.call: bool(np.isfinite(values["amax"]))
         for values, point in zip(states, plan.points)

@@ -1,0 +1,579 @@
+"""The instrumented model: an instance of the user's own class whose
+forward pass runs through the scaling points.
+
+`make(model)` builds a class for `type(model)` at instrument time,
+
+    class <the user's class name>(_Forward, type(model), InstrumentedModel)
+
+and a new instance of it that holds `model`'s state (the same layers,
+variables and attributes; `_keras.fork`). Python's method resolution then
+does the rest: `_Forward.call` comes first, so the forward pass goes
+through the scaling points; every method the user's class defines
+(`train_step`, KerasHub's `fit` on raw text, `generate`, private helpers,
+`super()` chains) comes next and runs as written, with `self` the
+instrumented model; `InstrumentedModel` sits just above `keras.Model`, so
+a `super().fit(...)` or `super().compile(...)` from the user's class
+reaches tf_als's (the guard and first-batch check, the optimizer wrapped)
+before Keras's. `isinstance(instrumented, type(model))` holds, and
+`layers`, `get_layer`, `weights` and `summary` read as the user's model
+reads them: tf_als's own state is not among its layers.
+
+Saved as a `.keras` file, an instrumented model is the user's model (its
+class, config and weights) plus tf_als's state: loaded where tf_als is not
+imported, it is the user's model, with its weights (Keras finds
+Functional, Sequential and KerasHub classes by their module; a class of the
+user's own must be registered with Keras as usual); loaded with tf_als
+imported, it is instrumented again, with its scales, promotions and
+optimizer state (`InstrumentedModel.from_config`).
+"""
+
+import inspect
+import warnings
+import weakref
+
+import keras
+import tensorflow as tf
+from keras import tree
+
+from tf_als._src.model import _keras
+from tf_als._src.model import checks
+from tf_als._src.model import graph
+from tf_als._src.model import hooks
+from tf_als._src.model import points as points_module
+from tf_als._src.model import runner
+from tf_als._src.model import training_data
+from tf_als._src.scaling import config as config_module
+from tf_als._src.training import backward
+from tf_als._src.training import optimizer as optimizer_module
+from tf_als._src.training import owners
+from tf_als._src.training import pass_record
+from tf_als._src.training import state
+from tf_als._src.training import unscaled
+from tf_als._src.failures import promote
+from tf_als._src.failures import storm
+
+# The registered name a saved instrumented model is written with.
+REGISTERED_NAME = "tf_als>InstrumentedModel"
+# The key of tf_als's part of a saved model's build config.
+_SAVED = "tf_als"
+
+
+def make(model: keras.Model, float32_outputs: bool = False) -> "InstrumentedModel":
+    """A new instrumented model sharing `model`'s layers and weights (see
+    the module docstring); not compiled."""
+    _check_flag("float32_outputs", float32_outputs)
+    if isinstance(model, InstrumentedModel):
+        raise ValueError(
+            f"Model {model.name!r} is already instrumented; pass it to "
+            "compile()/fit() as it is (instrumenting twice would scale "
+            "every gradient twice)."
+        )
+    plan, records = checks.points_of(model, InstrumentedModel)
+    instrumented = _keras.fork(model, _instrumented_class(type(model)))
+    instrumented._set_up(model, plan, records, float32_outputs)
+    return instrumented
+
+
+def _instrumented_class(cls) -> type:
+    """The class of an instrumented `cls` model: named, and saved, as
+    `cls` (see the module docstring)."""
+    made = type(cls.__name__, (_Forward, cls, InstrumentedModel), {})
+    made.__module__, made.__qualname__ = cls.__module__, cls.__qualname__
+    made.__doc__ = cls.__doc__
+    # Serialised as the user's class (a KerasHub preset names its task's
+    # class), except by `save` (`InstrumentedModel.save`).
+    _keras.register_serialized_name(made, keras.saving.get_registered_name(cls))
+    return made
+
+
+def adaptive(optimizer):
+    """`optimizer` (an instance, or a name Keras knows) as an
+    `AdaptiveLossScaleOptimizer`: itself if it is one, a Keras
+    `LossScaleOptimizer`'s inner optimizer, initial scale and growth steps
+    carried over, any other wrapped; None stays None."""
+    if optimizer is None or isinstance(
+        optimizer, optimizer_module.AdaptiveLossScaleOptimizer
+    ):
+        return optimizer
+    optimizer = keras.optimizers.get(optimizer)
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return optimizer_module.AdaptiveLossScaleOptimizer(
+            optimizer.inner_optimizer,
+            initial_scale=optimizer.initial_scale,
+            dynamic_growth_steps=optimizer.dynamic_growth_steps,
+        )
+    return optimizer_module.AdaptiveLossScaleOptimizer(optimizer)
+
+
+class _Forward:
+    """First in an instrumented class's method order: the forward pass
+    through the scaling points, and tf_als's part of the saved build
+    config. Everything else is the user's class's, then
+    `InstrumentedModel`'s."""
+
+    def call(self, *args, **kwargs):
+        return InstrumentedModel.scaled_call(self, args, kwargs)
+
+    def get_build_config(self):
+        config = dict(super().get_build_config() or {})
+        config[_SAVED] = self._saved_state()
+        return config
+
+    def build_from_config(self, config):
+        config = {k: v for k, v in (config or {}).items() if k != _SAVED}
+        if not self.built:
+            super().build_from_config(config)
+
+
+@keras.saving.register_keras_serializable(package="tf_als")
+class InstrumentedModel(_keras.CheckpointOnly, keras.Model):
+    """A model run with per-layer adaptive loss scales.
+
+    Made by `tf_als.instrument(model)`, never directly: it is an instance
+    of `type(model)` too (see `tf_als._src.model.instrumented`). It shares
+    `model`'s layers (and so its weights), runs the same layer calls in the
+    same order, and adds custom-gradient identities that scale gradients on
+    the way back. Its scaling points are `point_records`, one
+    `points.Point` each, found once when it is made; its state is a
+    `state.ScalingState` (`scaling_state`: a row per point, in that order,
+    stacked), saved with the model and in checkpoints; `scaling_points`
+    views it one point at a time.
+    """
+
+    # The promotions' log serves checkpoints only: a SavedModel keeps the
+    # promoted layers' float32 computation in its graph.
+    checkpoint_only = ("promotion_log",)
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError(
+            "An InstrumentedModel is made by `tf_als.instrument(model)`, "
+            "which returns an instance of the model's own class; it cannot "
+            "be constructed directly."
+        )
+
+    def _set_up(self, model, plan, records, float32_outputs):
+        """Gives a forked model (`_keras.fork`) tf_als's attributes, none
+        of them tracked as the user's layers or weights."""
+        own = lambda name, value: _keras.set_untracked(self, name, value)  # noqa: E731
+        own("_tf_als_original", model)
+        if model.name.startswith("_"):
+            # Keras 3.15 cannot open a root name scope named "_..." (a class
+            # `_Net` names its models "__net"), so `fit` fails on such a
+            # model; the instrumented model is named without the
+            # underscores (its layers keep theirs).
+            own("name", model.name.lstrip("_") or "model")
+        # Inputs reach the layers exactly as they reach the original model.
+        _keras.pass_inputs_through(self)
+        own("float32_outputs", float32_outputs)
+        # Whether Keras's own train step is being traced (its losses cast
+        # their inputs to float32), and whether the warning about float16
+        # outputs reaching other training code was given.
+        own("_keras_train_step", False)
+        own("_warned_float16_outputs", False)
+        own("promotions", [])  # tf_als.promote.Promotion, in order
+        # The same list for tf.train.Checkpoint (which saves variables, not
+        # dtype policies); `promote.sync` reads it after a restore.
+        own("promotion_log", promote.PromotionLog())
+        _keras.track(self, self.promotion_log, "promotion_log")
+        own("_plan", plan)
+        own("_point_records", records)
+        own("scaling_state", state.ScalingState([p.name for p in records], name="scaling_state"))
+        # For tf.train.Checkpoint and `.keras` files; rows follow the plan,
+        # so a rebuilt model maps them back to the same points.
+        _keras.track(self, self.scaling_state, "scaling_state")
+        _hook(self, records)
+        checks.warn_closed(model, self.point_infos)
+        # The weight gradients its backward passes unscale, for the
+        # optimizer that divides them by S (`unscaled`).
+        own("unscaled_gradients", unscaled.UnscaledGradients())
+        # What its backward passes chose, for the optimizer to write.
+        own("pass_record", pass_record.PassRecord())
+        # The knobs its points choose with: the optimizer's, once compiled.
+        own("scaling_config", config_module.ScalingConfig())
+        own("_synchronized", _synchronized_points(records))
+        # The AdaptiveLossScaleOptimizers that applied its gradients.
+        own("_trainers", weakref.WeakKeyDictionary())
+        owners.register(self)
+
+    def uninstrumented(self) -> keras.Model:
+        """The model given to `tf_als.instrument`: the same layers and
+        weights, without scaling points."""
+        return self._tf_als_original
+
+    @property
+    def plan(self):
+        """The `graph.Plan` the model runs."""
+        return self._plan
+
+    @property
+    def point_records(self) -> tuple:
+        """A `points.Point` per scaling point, in row order."""
+        return self._point_records
+
+    @property
+    def scaling_points(self) -> tuple:
+        """A `state.ScalingPoint` per scaling point: its view of
+        `scaling_state`, in row order."""
+        return tuple(self.scaling_state.point(p.index) for p in self._point_records)
+
+    @property
+    def point_infos(self) -> tuple:
+        """A `PointInfo` per scaling point (`Point.info`), in row order."""
+        return tuple(p.info() for p in self._point_records)
+
+    def trained_by(self) -> list:
+        """The live `AdaptiveLossScaleOptimizer`s that applied this model's
+        gradients, in the order they first did."""
+        return list(self._trainers.keys())
+
+    def note_trainer(self, optimizer) -> None:
+        """Records that `optimizer` applies this model's gradients (its
+        `apply` calls this)."""
+        self._trainers[optimizer] = True
+
+    # -- the forward pass ----------------------------------------------
+
+    def scaled_call(self, args, kwargs):
+        """The forward pass, `call(*args, **kwargs)` as Keras's `__call__`
+        hands it over: the plan run through the scaling points, or a
+        subclassed model's own `call` as one opened point."""
+        back = backward.Backward(
+            self._plan,
+            self.scaling_state,
+            self.unscaled_gradients,
+            self._point_records,
+            config=self.scaling_config,
+            record=self.pass_record,
+            synchronized=self._synchronized,
+        )
+        original = self._tf_als_original
+        training = kwargs.get("training")
+        if graph.is_subclassed(original):
+            # The model is point 0, opened: Keras's own `__call__` runs it
+            # (casts, masks carried by the inputs, `training`), and its
+            # weighted sublayers are the points inside.
+            outputs = back.wrap_inner_call(0, original, args, kwargs)
+        else:
+            inputs = args[0] if args else kwargs.get("inputs")
+            outputs = runner.run(self._plan, back, inputs, training, kwargs.get("mask"))
+        if training:
+            back.measure_forward()
+        return self._for_the_loss(outputs, training)
+
+    def _for_the_loss(self, outputs, training):
+        """`outputs`, cast to float32 when `float32_outputs`; else, in
+        training code other than Keras's own train step, a warning (once)
+        when one of them is float16."""
+        if self.float32_outputs:
+            return tree.map_structure(_to_float32, outputs)
+        if training and not self._keras_train_step and not self._warned_float16_outputs:
+            names = _float16_outputs(self, outputs)
+            if names:
+                _keras.set_untracked(self, "_warned_float16_outputs", True)
+                warnings.warn(
+                    f"Model {self.name!r} hands its training code float16 "
+                    f"outputs ({', '.join(names)}). A loss written by hand that "
+                    "sums or squares them over a batch can overflow float16 "
+                    "(65504) and read a constant with every gradient 0, "
+                    "without a non-finite value to skip. Compute the loss "
+                    "on `tf.cast(y_pred, 'float32')`, give the output layer "
+                    "dtype='float32', or pass `float32_outputs=True` to "
+                    "tf_als.instrument (the cast is exact).",
+                    stacklevel=4,
+                )
+        return outputs
+
+    # -- Keras's training methods, under the user's ---------------------
+
+    def compile(self, optimizer="rmsprop", *args, **kwargs):
+        """`keras.Model.compile`, with the optimizer (and any optimizer a
+        model's own `compile` hands on here) an
+        `AdaptiveLossScaleOptimizer`: a plain optimizer is wrapped, a Keras
+        `LossScaleOptimizer` converted (`adaptive`)."""
+        super().compile(adaptive(optimizer), *args, **kwargs)
+        if isinstance(self.optimizer, optimizer_module.AdaptiveLossScaleOptimizer):
+            _keras.set_untracked(self, "scaling_config", self.optimizer.scaling_config)
+
+    def train_step(self, data):
+        _keras.set_untracked(self, "_keras_train_step", True)
+        try:
+            return super().train_step(data)
+        finally:
+            _keras.set_untracked(self, "_keras_train_step", False)
+
+    def fit(self, *args, **kwargs):
+        """`keras.Model.fit`, plus a `tf_als.callbacks.NonFiniteGuard` (unless
+        one is given) so that a run whose steps are all skipped stops with a
+        `NonFiniteStormError` (see `max_consecutive_skips`), and the
+        first-batch check (`_preflight`)."""
+        promote.sync(self)  # Promotions restored from a checkpoint.
+        arguments = _FIT_SIGNATURE.bind(self, *args, **kwargs).arguments
+        arguments = {k: v for k, v in arguments.items() if k != "self"}
+        data = [arguments.get(k) for k in ("x", "y", "sample_weight")]
+        batches = training_data.batches(*data, arguments.get("batch_size"))
+        arguments["callbacks"] = _with_guard(arguments.get("callbacks"), batches)
+        spec = training_data.batch_spec(*data)
+        if spec is not None and getattr(self, "optimizer", None) is not None:
+            # One trace of the train step instead of two.
+            _keras.build_state_before_tracing(self, spec)
+        self._preflight(batches)
+        return super().fit(**arguments)
+
+    def _preflight(self, batches):
+        """Before the first step of Keras's own train step: promotes the
+        layers whose float16 arithmetic fails on the first batch and
+        chooses a global scale it can apply with
+        (`AdaptiveLossScaleOptimizer.preflight`)."""
+        optimizer = getattr(self, "optimizer", None)
+        if (
+            batches is None
+            or not isinstance(optimizer, optimizer_module.AdaptiveLossScaleOptimizer)
+            or not optimizer.promote_on_storm
+            or getattr(self, "loss", None) is None
+            or type(self).train_step is not InstrumentedModel.train_step
+        ):
+            return
+        if optimizer.built and int(keras.ops.convert_to_numpy(optimizer.iterations)):
+            return
+        if not optimizer.built:
+            # Under a strategy Keras creates the optimizer's variables in
+            # its scope (`fit` does it later). The eager checks run outside
+            # it, where a mirrored variable reads as its first copy.
+            with self.distribute_strategy.scope():
+                optimizer.build(self.trainable_variables)
+        optimizer.preflight(self, batches, loss=self._compiled_loss)
+
+    def forget_traces(self) -> None:
+        """Drops the traced train, test and predict functions (Keras makes
+        them again on their next use): after a promotion, so that they
+        compute the promoted layers in float32."""
+        self.make_train_function(force=True)
+        self.make_test_function(force=True)
+        self.make_predict_function(force=True)
+
+    def _compiled_loss(self, y, y_pred, sample_weight=None):
+        return self.compute_loss(y=y, y_pred=y_pred, sample_weight=sample_weight)
+
+    # -- serving and saving ----------------------------------------------
+
+    def export(
+        self, filepath, format="tf_saved_model", verbose=None, input_signature=None, **kwargs
+    ):
+        """`keras.Model.export` of the original model, which shares this
+        model's layers and weights and computes the same outputs, bit for
+        bit: scaling points exist for training only, so the artifact has
+        no custom gradients and loads without tf_als.
+
+        A SavedModel (the default format) is written as `model.export`
+        writes it, endpoint `serve`; with `verbose` None or True, one line
+        names the endpoint and its signature (Keras adds a line per
+        captured variable: dozens for a real model), False prints nothing.
+        Other formats are the original model's `export` as it is.
+
+        Example:
+
+        ```python
+        model.fit(x, y)
+        model.export("serving")                   # after training
+        reloaded = tf.saved_model.load("serving")  # tf_als not needed
+        reloaded.serve(x)                          # == model.predict(x)
+        ```
+        """
+        original = self._tf_als_original
+        if format != "tf_saved_model":
+            return original.export(
+                filepath, format=format, verbose=verbose,
+                input_signature=input_signature, **kwargs,
+            )
+        if input_signature is None:
+            input_signature = _keras.export_input_signature(original)
+        archive = keras.export.ExportArchive()
+        endpoint = archive.track_and_add_endpoint(
+            "serve", original, input_signature, **kwargs
+        )
+        archive.write_out(filepath, verbose=False)
+        if verbose is None or verbose:
+            signature = endpoint.get_concrete_function().pretty_printed_signature(
+                verbose=False
+            )
+            _keras.print_message(
+                f"Saved artifact at '{filepath}', endpoint 'serve': {signature}"
+            )
+
+    @property
+    def _default_save_signature(self):
+        # `tf.saved_model.save(model, path)` serves the original model's
+        # forward pass with the signature `export` gives it (tracing this
+        # model's call would save custom gradients).
+        original = self._tf_als_original
+        specs = _keras.serving_specs(original)
+
+        @tf.function(input_signature=specs)
+        def serving_default(*inputs):
+            return original(*inputs, training=False)
+
+        return serving_default
+
+    def save(self, filepath, overwrite=True, zipped=None, **kwargs):
+        """`keras.Model.save`, written so that `keras.models.load_model`
+        rebuilds the instrumented model where tf_als is imported (scales,
+        promotions and optimizer state included) and the user's model,
+        with its weights, where it is not (`compile=False`: the optimizer
+        is tf_als's). Saved by `keras.saving.save_model(model, ...)`
+        instead, the file is the user's model and loads as one (with its
+        tf_als optimizer) everywhere.
+
+        Example:
+
+        ```python
+        model.fit(x, y)
+        model.save("run.keras")
+        keras.models.load_model("run.keras")   # instrumented, resumes exactly
+        # without tf_als: keras.models.load_model("run.keras", compile=False)
+        ```
+        """
+        with _keras.serialized_as(type(self), REGISTERED_NAME):
+            return super().save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
+
+    def compile_from_config(self, config):
+        # Keras skips compiling on load when `compile` is overridden; ours
+        # wraps the optimizer, so compile as Keras would and build the
+        # optimizer, whose saved variables (global scale, counters, slots)
+        # are loaded next.
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if self.built and getattr(self, "optimizer", None) is not None:
+            self.optimizer.build(self.trainable_variables)
+
+    def _saved_state(self) -> dict:
+        """tf_als's part of the saved build config: what `from_config`
+        needs besides the user's model (which `registered_name` the user's
+        class loads by, the promotions, `float32_outputs`)."""
+        original = self._tf_als_original
+        return {
+            "registered_name": keras.saving.get_registered_name(type(original)),
+            "promotions": [p.as_dict() for p in self.promotions],
+            "float32_outputs": self.float32_outputs,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        """The instrumented model a `.keras` file holds: the user's model,
+        deserialised as Keras would without tf_als, instrumented, its
+        promotions re-applied (Keras then compiles it and loads the
+        weights and tf_als's state).
+
+        Raises:
+            ValueError: the file was written by tf_als 0.2-0.5, whose
+                layout (the user's model nested in a wrapper) this version
+                cannot read; or `config` is not part of a whole saved
+                config (see `_user_model`).
+        """
+        if "promotions" in config and isinstance(config.get("model"), dict):
+            raise ValueError(
+                "This model was saved by tf_als 0.5 or earlier, which nested "
+                "the user's model in a wrapper; this version saves the user's "
+                "model itself and cannot read that layout. With tf_als 0.5, "
+                "load it and save the weights of the model it instruments "
+                "(`keras.models.load_model(path).model.save_weights("
+                "'weights.weights.h5')`); then build the model, "
+                "`load_weights` them, and `tf_als.instrument` it."
+            )
+        model, saved = _user_model(config, custom_objects)
+        instrumented = make(model, float32_outputs=saved["float32_outputs"])
+        promote.restore(instrumented, saved["promotions"])
+        return instrumented
+
+
+def _user_model(config, custom_objects):
+    """(the user's model, tf_als's saved part) of a `.keras` file's model
+    whose inner config is `config`."""
+    try:
+        whole = _keras.deserializing(config)
+    except LookupError:
+        raise ValueError(
+            "InstrumentedModel.from_config() rebuilds a model saved by "
+            "tf_als from a whole saved config; load the file with "
+            "`keras.models.load_model`, or instrument the model: "
+            "`tf_als.instrument(type(model).from_config(config))`."
+        ) from None
+    build_config = dict(whole.get("build_config") or {})
+    saved = build_config.pop(_SAVED)
+    user = dict(whole, registered_name=saved["registered_name"], build_config=build_config)
+    user.pop("compile_config", None)
+    model = keras.saving.deserialize_keras_object(user, custom_objects=custom_objects)
+    return model, saved
+
+
+def _hook(model, records) -> tuple:
+    """Hooks the layers of the `"inner"` points among `records`
+    (`hooks.install`) for `model` (a subclassed model's root is run by
+    `call` itself). The hooks come off (`hooks.uninstall`) when `model`
+    is garbage collected, leaving layers that no other instrumented model
+    hooks exactly as they were; a model whose scaling points were traced
+    into a `tf.function` is never collected (TensorFlow's gradient
+    registry keeps every traced `tf.custom_gradient`), and its hooks then
+    stay, calling the layer's own `call` whenever no scaling point of it
+    runs."""
+    token = object()  # The model cannot own its hooks: a finalizer may not
+    # hold the model itself.
+    layers = tuple(
+        p.layer for p in records
+        if p.kind == points_module.INNER and hooks.install(p.layer, token)
+    )
+    weakref.finalize(model, _unhook, layers, token)
+    return layers
+
+
+def _unhook(layers, token):
+    for layer in layers:
+        hooks.uninstall(layer, token)
+
+
+def _check_flag(name, value):
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be True or False; received {value!r}.")
+
+
+def _is_float16(value) -> bool:
+    """Whether `value` (a tensor, or a KerasTensor while Keras traces the
+    model symbolically) is float16."""
+    dtype = getattr(value, "dtype", None)
+    return dtype is not None and keras.backend.standardize_dtype(dtype) == "float16"
+
+
+def _to_float32(value):
+    return keras.ops.cast(value, "float32") if _is_float16(value) else value
+
+
+def _float16_outputs(model, outputs) -> list:
+    """Names of `model`'s outputs among `outputs` that are float16."""
+    flat = tree.flatten(outputs)
+    names = list(getattr(model, "output_names", None) or [])
+    if len(names) != len(flat):
+        names = [f"output {i}" for i in range(len(flat))]
+    return [repr(name) for name, value in zip(names, flat) if _is_float16(value)]
+
+
+# The arguments of Keras's `Model.fit`, read once (InstrumentedModel.fit
+# finds `callbacks` by name, wherever it was given).
+_FIT_SIGNATURE = inspect.signature(keras.Model.fit)
+
+
+def _with_guard(callbacks, batches=None):
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks = callbacks.callbacks
+    callbacks = list(callbacks or [])
+    if not any(isinstance(c, storm.NonFiniteGuard) for c in callbacks):
+        callbacks.append(storm.NonFiniteGuard(batches=batches))
+    return callbacks
+
+
+def _synchronized_points(records) -> frozenset:
+    """Indices of the points whose layer sums its gradients across
+    replicas in its own backward (synchronized BatchNormalization; see
+    `backward.Backward`)."""
+    return frozenset(
+        p.index for p in records
+        if getattr(p.layer, "synchronized", False) is True
+    )
