@@ -399,3 +399,45 @@ def test_layers_and_summary_read_as_the_users_model(mixed, capsys):
     instrumented.summary(print_fn=printed.append)
     model.summary(print_fn=expected.append)
     assert printed == expected
+
+
+_LOAD_WITHOUT_TF_ALS = """
+import sys
+import keras
+import numpy as np
+keras.mixed_precision.set_global_policy("mixed_float16")
+model = keras.models.load_model(sys.argv[1], compile=False)
+assert "tf_als" not in sys.modules, "the file imported tf_als"
+x = np.load(sys.argv[2])
+np.save(sys.argv[3], model.predict(x, verbose=0))
+print(type(model).__name__, [layer.name for layer in model.layers])
+"""
+
+
+def test_a_saved_model_loads_without_tf_als_as_the_users_model(mixed, tmp_path):
+    """A `.keras` file is handed on: where tf_als is not imported it loads
+    as the user's own model (its class, layers and trained weights: the
+    same predictions, bit for bit); where it is, as the instrumented model
+    with its scales."""
+    import subprocess
+    import sys
+
+    _, model = architectures.CASES[5].build_pair()  # shared_layer
+    instrumented = tf_als.instrument(model)
+    instrumented.compile(tf_als.AdaptiveLossScaleOptimizer(keras.optimizers.Adam(1e-2)), "mse")
+    x, _ = architectures.CASES[5].data()
+    y = np.asarray(model(x), "float32") * 0.5
+    instrumented.fit(x, y, epochs=2, verbose=0)
+    path, inputs, outputs = (str(tmp_path / n) for n in ("m.keras", "x.npy", "y.npy"))
+    instrumented.save(path)
+    np.save(inputs, x)
+    ran = subprocess.run(
+        [sys.executable, "-c", _LOAD_WITHOUT_TF_ALS, path, inputs, outputs],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert ran.stdout.split()[0] == type(model).__name__
+    np.testing.assert_array_equal(np.load(outputs), instrumented.predict(x, verbose=0))
+    loaded = keras.models.load_model(path)
+    assert isinstance(loaded, tf_als.InstrumentedModel) and isinstance(loaded, type(model))
+    assert tf_als.scales(loaded) == tf_als.scales(instrumented)
