@@ -128,10 +128,11 @@ def test_a_row_is_written_inside_a_compiled_function():
 OLD_RECORD_COLUMNS = 6
 
 
-def test_a_0_2_file_loads_without_its_measurement_rows():
-    """0.2 saved seven variables (with `measured` and `pending`, since
-    removed, and no `backoff`): such a store loads the rows it shares, and
-    the back-off starts at 1."""
+def test_a_file_of_main_after_0_2_loads_without_its_measurement_rows():
+    """Main between 0.2 and 0.3 saved seven variables (with `measured` and
+    `pending`, since removed, and no `backoff`): such a store loads the
+    rows it shares, and the back-off starts at 1. (0.2 itself saved six:
+    tests/test_legacy_files.py loads a file it wrote.)"""
     state = state_module.ScalingState(["a", "b"])
     old = {
         "0": np.array([4.0, 0.5], np.float32),

@@ -575,6 +575,48 @@ def deserializing(inner_config) -> dict:
     raise LookupError("not called by keras.saving.deserialize_keras_object")
 
 
+def _h5_store(store):
+    """`store` if it is the weights store of a `.keras` file (Keras 3.15
+    `keras.src.saving.saving_lib.H5IOStore`); else a ValueError."""
+    from keras.src.saving import saving_lib
+
+    if type(store) is not saving_lib.H5IOStore:
+        raise ValueError(
+            "A model saved by tf_als 0.2-0.5 loads from its `.keras` file "
+            "(`keras.models.load_model`); its weights cannot be read from "
+            f"a {type(store).__name__}."
+        )
+    return store
+
+
+def store_path(store) -> str:
+    """The path `store` was last asked for (`store.get(path)`): while a
+    saveable's `load_own_variables(store)` runs, the saveable's own path.
+    Keras 3.15 `H5IOStore._h5_entry_path`; no public alternative."""
+    return _h5_store(store)._h5_entry_path or ""
+
+
+def store_children(store, path: str) -> list:
+    """The names of the groups at `path` in `store`'s file (none if there
+    is no group there). Keras 3.15 `H5IOStore.h5_file`."""
+    h5_file = _h5_store(store).h5_file
+    return list(h5_file[path].keys()) if path in h5_file else []
+
+
+def translate_store_paths(store, translate) -> None:
+    """Makes `store` read what is saved at `translate(path)` whenever Keras
+    asks it for `path`, from now on and for the current entry (Keras 3.15
+    `saving_lib._load_state` calls `store.get(path)` before each
+    saveable's `load_own_variables`, with the same store for every
+    saveable of a file). The store is the one a `load_model` call opened
+    and closes: nothing else reads through it."""
+    store = _h5_store(store)
+    get = type(store).get.__get__(store)
+    current = store._h5_entry_path or ""
+    store.get = lambda path: get(translate(path))
+    store.get(current)
+
+
 def print_message(message) -> None:
     """Prints `message` as Keras prints its own messages: to stdout, or to
     the log when `keras.config.disable_interactive_logging()` was called

@@ -39,6 +39,7 @@ from tf_als._src.model import _keras
 from tf_als._src.model import checks
 from tf_als._src.model import graph
 from tf_als._src.model import hooks
+from tf_als._src.model import legacy
 from tf_als._src.model import points as points_module
 from tf_als._src.model import runner
 from tf_als._src.model import training_data
@@ -123,6 +124,11 @@ class _Forward:
         config = {k: v for k, v in (config or {}).items() if k != _SAVED}
         if not self.built:
             super().build_from_config(config)
+
+    def load_own_variables(self, store):
+        # A model rebuilt from a file of tf_als 0.2-0.5 reads that file's
+        # layout (`legacy`).
+        super().load_own_variables(legacy.read(self, store))
 
 
 @keras.saving.register_keras_serializable(package="tf_als")
@@ -463,25 +469,20 @@ class InstrumentedModel(_keras.CheckpointOnly, keras.Model):
         promotions re-applied (Keras then compiles it and loads the
         weights and tf_als's state).
 
+        Files written by tf_als 0.2-0.5, which saved the user's model
+        nested in a wrapper, load too (`legacy`).
+
         Raises:
-            ValueError: the file was written by tf_als 0.2-0.5, whose
-                layout (the user's model nested in a wrapper) this version
-                cannot read; or `config` is not part of a whole saved
-                config (see `_user_model`).
+            ValueError: `config` is not part of a whole saved config (see
+                `_user_model`).
         """
-        if "promotions" in config and isinstance(config.get("model"), dict):
-            raise ValueError(
-                "This model was saved by tf_als 0.5 or earlier, which nested "
-                "the user's model in a wrapper; this version saves the user's "
-                "model itself and cannot read that layout. With tf_als 0.5, "
-                "load it and save the weights of the model it instruments "
-                "(`keras.models.load_model(path).model.save_weights("
-                "'weights.weights.h5')`); then build the model, "
-                "`load_weights` them, and `tf_als.instrument` it."
-            )
-        model, saved = _user_model(config, custom_objects)
+        old = legacy.is_legacy(config)
+        read = legacy.user_model if old else _user_model
+        model, saved = read(config, custom_objects)
         instrumented = make(model, float32_outputs=saved["float32_outputs"])
         promote.restore(instrumented, saved["promotions"])
+        if old:
+            legacy.mark(instrumented)
         return instrumented
 
 

@@ -14,8 +14,6 @@ compile time once, so `[points]` variables cost what a few per-point ones
 did.
 """
 
-import types
-
 import keras
 import numpy as np
 import tensorflow as tf
@@ -35,15 +33,17 @@ VARIABLES = (
     "scales", "records", "histograms", "last_updates", "due", "backoff",
     "zero_gradient_steps", "telemetry_next",
 )
-# Older `.keras` layouts, by how many variables they saved: each
-# variable's name by position (None: since removed). Both saved records of
-# `_OLD_RECORD_FIELDS` columns (no forward headroom). 0.3: no
-# `zero_gradient_steps`. 0.2: `measured` and `pending` before `due`, no
-# `backoff`.
-_OLD_LAYOUTS = types.MappingProxyType({
-    6: VARIABLES[:6],
-    7: ("scales", "records", "histograms", "last_updates", None, None, "due"),
-})
+# Older `.keras` layouts: each variable's name by position (None: since
+# removed). 0.4 saved seven variables (no `telemetry_next`); 0.3 six (no
+# `zero_gradient_steps`); 0.2 six too, its last two the per-point
+# measurement rows and their step counts (no `due`, no `backoff`); and
+# main between 0.2 and 0.3 seven, the measurement rows, a pending flag per
+# point and `due`. 0.2 and 0.3 saved records of `_OLD_RECORD_FIELDS`
+# columns (no forward headroom).
+_LAYOUT_0_4 = VARIABLES[:7]
+_LAYOUT_0_3 = VARIABLES[:6]
+_LAYOUT_0_2 = ("scales", "records", "histograms", "last_updates", None, None)
+_LAYOUT_AFTER_0_2 = _LAYOUT_0_2 + ("due",)
 _OLD_RECORD_FIELDS = len(RECORD_FIELDS) - len(FORWARD_FIELDS)
 
 
@@ -174,21 +174,20 @@ class ScalingState(keras.layers.Layer):
         return ScalingPoint(self, index)
 
     def load_own_variables(self, store):
-        """Loads the variables a `.keras` file saved. Files of 0.3 (six
-        variables, records without the forward columns) and 0.2 (seven:
-        the per-point measurement rows, since removed) load too: what they
-        lack keeps its initial value (back-off 1, forward columns 0, no
-        zero-gradient steps)."""
-        layout = _OLD_LAYOUTS.get(len(store.keys()))
-        if layout is None or np.shape(store["1"])[-1] == len(RECORD_FIELDS):
+        """Loads the variables a `.keras` file saved. Files of 0.2-0.4 load
+        too: what they lack keeps its initial value (back-off 1, forward
+        columns 0, no zero-gradient steps, telemetry due)."""
+        layout = _old_layout(store)
+        if layout is None:
             super().load_own_variables(store)
             return
-        records = self._with_old_records(store[str(layout.index("records"))])
+        key = str(layout.index("records"))
+        records = store[key]
+        if np.shape(records)[-1] != len(RECORD_FIELDS):
+            records = self._with_old_records(records)
         for key, name in enumerate(layout):
-            if name == "records":
-                self.records.assign(records)
-            elif name is not None:
-                getattr(self, name).assign(store[str(key)])
+            if name is not None:
+                getattr(self, name).assign(records if name == "records" else store[str(key)])
 
     def _with_old_records(self, old):
         """The records with record rows of `_OLD_RECORD_FIELDS` columns
@@ -346,3 +345,16 @@ def record_vector(cumulative_scale, statistics, forward=None, axis=0):
         [cumulative_scale] + [tf.cast(v, tf.float32) for v in (*statistics, *forward)],
         axis=axis,
     )
+
+
+def _old_layout(store):
+    """The layout (`_LAYOUT_0_2`...) of a `ScalingState` saved by tf_als
+    0.2-0.4 in `store`; None for today's (eight variables)."""
+    count = len(store.keys())
+    # 0.2's fifth variable holds rows, 0.3's and 0.4's (`due`) is a scalar.
+    before_0_3 = count in (6, 7) and np.ndim(store["4"]) == 2
+    if count == 7:
+        return _LAYOUT_AFTER_0_2 if before_0_3 else _LAYOUT_0_4
+    if count == 6:
+        return _LAYOUT_0_2 if before_0_3 else _LAYOUT_0_3
+    return None
