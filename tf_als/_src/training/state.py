@@ -181,8 +181,7 @@ class ScalingState(keras.layers.Layer):
         if layout is None:
             super().load_own_variables(store)
             return
-        key = str(layout.index("records"))
-        records = store[key]
+        records = store[str(layout.index("records"))]
         if np.shape(records)[-1] != len(RECORD_FIELDS):
             records = self._with_old_records(records)
         for key, name in enumerate(layout):
