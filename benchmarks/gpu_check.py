@@ -2,7 +2,7 @@
 GPU (it runs on a CPU too, at a smaller size).
 
     python benchmarks/gpu_check.py            # ~5 minutes on one GPU
-    python benchmarks/gpu_check.py --quick    # the CPU size, fewer steps
+    python benchmarks/gpu_check.py --quick    # a one-block CNN, few steps (the suite)
 
 For each model and XLA off and on, it runs `benchmarks/overhead.py`'s
 workers: one process trains Keras's `LossScaleOptimizer` and tf_als side by
@@ -34,6 +34,9 @@ TARGETS = {"step": 1.03, "step_every": 1.03, "setup": 1.3, "memory": 1.05}
 GPU_SIZES = {"cnn": (64, 50, 3), "gpt2_mid": (16, 50, 3)}
 CPU_SIZES = {"cnn": (8, 10, 2), "gpt2": (None, 20, 2)}
 QUICK_SIZES = {"cnn": (4, 6, 1)}
+# The quick check's CNN has one residual block (the test suite runs it to
+# see that every worker and column works, not to measure).
+QUICK_BLOCKS = 1
 
 
 def _overhead():
@@ -51,11 +54,12 @@ def has_gpu() -> bool:
     return bool(tf.config.list_physical_devices("GPU"))
 
 
-def check(model, xla, batch, chunk, rounds, overhead):
-    """One row: the four ratios for `model` with XLA `xla` ("off"/"on")."""
+def check(model, xla, batch, chunk, rounds, overhead, blocks=4):
+    """One row: the four ratios for `model` with XLA `xla` ("off"/"on");
+    `blocks`: the residual CNN's."""
     base = [
         "--chunk", str(chunk), "--rounds", str(rounds), "--model", model,
-        "--xla", xla,
+        "--xla", xla, "--blocks", str(blocks),
     ] + ([] if batch is None else ["--batch", str(batch)])
     timed = overhead._run_worker("--worker", "time", *base)
     summary = overhead.summarise(timed)
@@ -108,7 +112,8 @@ def main(argv=None):
     rows = []
     for model, (batch, chunk, rounds) in sizes.items():
         for xla in args.xla.split(","):
-            rows.append(check(model, xla, batch, chunk, rounds, overhead))
+            blocks = QUICK_BLOCKS if args.quick else 4
+            rows.append(check(model, xla, batch, chunk, rounds, overhead, blocks))
             print(table(rows[-1:]).splitlines()[2], flush=True)
     print("\n" + table(rows))
     return rows

@@ -54,6 +54,8 @@ ignores) have no direction to compare and are checked only for the
 relative-error bound on the absolute scale of the largest gradient.
 """
 
+import functools
+
 import keras
 import pytest
 
@@ -77,37 +79,41 @@ def _cases():
         for factor, scale in ((1.0, None), (2.0**-16, None), (1.0, LOW_SCALE)):
             slow = case.slow or (factor == 1.0 and scale is None)
             marks = [pytest.mark.slow] if slow else []
+            if case.slow:
+                # A heavy model's three runs share `_references` (on one
+                # worker): two of them have the same loss factor.
+                marks.append(pytest.mark.xdist_group(f"oracle-{case.name}"))
             name = f"{case.name}-loss*{factor:g}"
             if scale is not None:
                 name += f"-scale{scale:g}"
             yield pytest.param(case, factor, scale, id=name, marks=marks)
 
 
-@pytest.mark.parametrize("case, factor, initial_scale", list(_cases()))
-def test_inner_optimizer_receives_float32_faithful_gradients(case, factor, initial_scale):
-    reference, mixed = case.build_pair()
-    x, y = case.data()
-
+def _loss(case, factor):
     def loss(y_true, y_pred):
         return case.loss(y_true, y_pred) * factor
 
+    return loss
+
+
+@functools.lru_cache(maxsize=None)
+def _references(name, factor):
+    """`(float32, Keras, same order)`: the gradients tf_als's are compared
+    with, for case `name` with its loss times `factor`. They do not depend
+    on tf_als's initial scale, so each is computed once per case and
+    factor, from a fresh pair of models with the case's weights."""
+    case = CASES[name]
+    reference, mixed = case.build_pair()
+    x, y = case.data()
+    loss = _loss(case, factor)
     expected = gradients.float32_gradients(
         reference, x, y, loss, training=case.training
     )
-    keras_optimizer = keras.optimizers.LossScaleOptimizer(
-        gradients.GradientRecorder()
-    )
     keras_grads, _ = gradients.applied_gradients(
-        mixed, keras_optimizer, x, y, loss, training=case.training
+        mixed,
+        keras.optimizers.LossScaleOptimizer(gradients.GradientRecorder()),
+        x, y, loss, training=case.training,
     )
-    model = tf_als.instrument(mixed)
-    optimizer = tf_als.AdaptiveLossScaleOptimizer(
-        gradients.GradientRecorder(), initial_scale=initial_scale or 2.0**15
-    )
-    als_grads, _ = gradients.applied_gradients(
-        model, optimizer, x, y, loss, training=case.training
-    )
-
     # Keras's LossScaleOptimizer on an instrumented copy it cannot link to:
     # every per-layer scale stays 1 (see the module docstring).
     same_order = tf_als.instrument(mixed)
@@ -117,6 +123,25 @@ def test_inner_optimizer_receives_float32_faithful_gradients(case, factor, initi
         x, y, loss, training=case.training,
     )
     assert set(tf_als.scales(same_order).values()) == {1.0}
+    return expected, keras_grads, same_order_grads
+
+
+CASES = {case.name: case for case in architectures.ALL_CASES}
+
+
+@pytest.mark.parametrize("case, factor, initial_scale", list(_cases()))
+def test_inner_optimizer_receives_float32_faithful_gradients(case, factor, initial_scale):
+    expected, keras_grads, same_order_grads = _references(case.name, factor)
+    _, mixed = case.build_pair()
+    x, y = case.data()
+    loss = _loss(case, factor)
+    model = tf_als.instrument(mixed)
+    optimizer = tf_als.AdaptiveLossScaleOptimizer(
+        gradients.GradientRecorder(), initial_scale=initial_scale or 2.0**15
+    )
+    als_grads, _ = gradients.applied_gradients(
+        model, optimizer, x, y, loss, training=case.training
+    )
 
     # The contract: true gradients, in float32, for every trainable variable.
     received = optimizer.inner_optimizer.received_dtypes
