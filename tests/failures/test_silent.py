@@ -117,6 +117,40 @@ def test_forward_headroom_is_recorded_on_telemetry_steps_only(mixed, mode):
     assert last.tolist() == [2, 2]
 
 
+def test_each_point_measures_its_forward_headroom_in_its_own_branch(mixed):
+    """Memory: in the traced training step, each point's float16 output is
+    measured by a branch of its own, which reads that output and nothing
+    else, so it runs as soon as the point has run and keeps no activation
+    alive longer than the layers after the point need it. One branch over
+    every point's outputs at the end of the forward pass held all of them
+    until the last point ran (on a 4-layer GPT-2 of hidden size 256 with
+    XLA, tf_als's peak fell from 2285 to 2099 MiB with a branch per point;
+    Keras's is about 1400)."""
+    model, optimizer = _model(bias=5000.0, interval=2)
+    target = tf.zeros([32, 4], tf.float32)
+
+    @tf.function
+    def train(x):
+        with tf.GradientTape() as tape:
+            loss = optimizer.scale_loss(
+                tf.reduce_mean(_small_loss(target, model(x, training=True)))
+            )
+        variables = model.trainable_variables
+        optimizer.apply(tape.gradient(loss, variables), variables)
+
+    graph = train.get_concrete_function(tf.TensorSpec([32, 8], tf.float32)).graph
+    branches = [
+        op for op in graph.get_operations()
+        if op.type in ("If", "StatelessIf") and "forward_headroom" in op.name
+    ]
+    halves = [
+        [x for x in op.inputs if x.dtype == tf.float16] for op in branches
+    ]
+    # Two points ("big" and "head"), one float16 output each.
+    assert [len(h) for h in halves] == [1, 1], [op.name for op in branches]
+    assert halves[0][0] is not halves[1][0]
+
+
 def _fit_collecting(model, x, y, batches=3):
     """Fits `model` on `batches` batches of 32 and calls
     `warn_silent_failures` after it; returns every `SilentFailureWarning`

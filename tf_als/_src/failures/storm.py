@@ -221,7 +221,7 @@ class NonFiniteGuard(keras.callbacks.Callback):
         else:
             batches, loss = self._input_batches, None
         try:
-            promoted = check(
+            check(
                 attempted=self._batches, batches=_latest_first(batches, batch), loss=loss
             )
         except NonFiniteStormError as error:

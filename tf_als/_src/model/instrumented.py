@@ -251,6 +251,7 @@ class InstrumentedModel(_keras.CheckpointOnly, keras.Model):
             config=self.scaling_config,
             record=self.pass_record,
             synchronized=self._synchronized,
+            training=kwargs.get("training"),
         )
         original = self._tf_als_original
         training = kwargs.get("training")

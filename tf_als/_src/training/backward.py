@@ -19,9 +19,9 @@ pass, `rule.scale_within`: the rule's own functions, with the knobs of the model
 scale's back-off from its state): one max-reduction and a few scalar ops
 per point, no branch, and no variable written. What it chose and a sample
 of what it saw go to the model's `pass_record.PassRecord`, which the
-optimizer that applies the gradients writes into the state, with a
-reference to the point's float16 forward outputs (measured there on
-telemetry steps only: the forward headroom). Under the
+optimizer that applies the gradients writes into the state, with the
+forward headroom of the point's float16 outputs (measured in a branch of
+the point's own, as soon as it has run, on telemetry steps only). Under the
 paper's rule (`rule="paper"`) a point re-chooses only when the state says
 an update is due, and otherwise applies the scale in the state.
 
@@ -66,9 +66,10 @@ class Backward:
 
     def __init__(
         self, plan, state, unscaled, points=(), config=None, record=None,
-        synchronized=frozenset(),
+        synchronized=frozenset(), training=False,
     ):
         self.plan = plan
+        self.training = bool(training)
         self.state = state
         self.unscaled = unscaled
         self.config = config_module.ScalingConfig() if config is None else config
@@ -85,7 +86,8 @@ class Backward:
         self._used = {}  # point -> scale used in this pass
         self._input_scales = {}  # point -> T its input gradients carry
         self._limits = {}  # graph (None: eager) -> the pass's headroom
-        self._halves = {}  # point -> its float16 forward outputs
+        self._forward = {}  # point -> its forward headroom, [2]
+        self._due = {}  # graph (None: eager) -> whether it is a telemetry step
 
     # -- the three custom-gradient identities ------------------------------
 
@@ -287,7 +289,9 @@ class Backward:
         ys = scaled(*xs)
         if not isinstance(ys, (list, tuple)):
             ys = [ys]
-        self._halves.setdefault(point, [y for y in ys if y.dtype == tf.float16])
+        halves = [y for y in ys if y.dtype == tf.float16]
+        if self.training and halves and point not in self._forward:
+            self._forward[point] = self._measure_forward(halves)
         outputs = list(tree.flatten(results["outputs"]))
         for i, y in zip(results["floats"], ys):
             _keras.copy_mask(outputs[i], y)
@@ -369,26 +373,29 @@ class Backward:
         self._used[point] = scale
         return scale
 
+    def _measure_forward(self, outputs):
+        """The forward headroom of a point's float16 `outputs`
+        (`rule.forward_headroom`), in a branch that measures only when the
+        state says the coming step is a telemetry step (zeros otherwise).
+        Taken as soon as the point has run, so that no activation lives
+        longer for it than the layers after the point need it."""
+        graph = unscaled.traced_graph()
+        if graph not in self._due:
+            self._due[graph] = tf.convert_to_tensor(self.state.telemetry_next) > 0
+        return tf.cond(
+            self._due[graph],
+            lambda: rule.forward_headroom(outputs),
+            lambda: tf.zeros([2], tf.float32),
+            name="forward_headroom",
+        )
+
     def measure_forward(self) -> None:
-        """At the end of a training forward pass: the forward headroom of
-        every point's float16 outputs (`rule.forward_headroom`), in
-        one branch for the whole model that measures only when the state
-        says the coming step is a telemetry step (zeros otherwise), left
-        in the pass record for `update`. Measured here, not in the
-        optimizer's `apply`, so that no activation outlives the forward
-        pass for it."""
-        points = sorted(self._halves)
-        if not points:
-            return
-        outputs = [self._halves[p] for p in points]
-
-        def measure():
-            return tf.stack([rule.forward_headroom(o) for o in outputs])
-
-        due = tf.convert_to_tensor(self.state.telemetry_next) > 0
-        rows = tf.cond(due, measure, lambda: tf.zeros([len(points), 2]))
-        self.record.put_forward(dict(zip(points, tf.unstack(rows))))
-        self._halves = {}
+        """At the end of a training forward pass: leaves each point's
+        forward headroom (`_measure_forward`) in the pass record for
+        `update`."""
+        if self._forward:
+            self.record.put_forward(dict(self._forward))
+        self._forward = {}
 
     def _headroom(self):
         """`rule.headroom` of this pass, read once per graph (every

@@ -74,9 +74,8 @@ class PassRecord:
 
     def put_forward(self, rows: dict) -> None:
         """Records the forward headroom of the latest forward pass: point
-        index -> float32 [2] (`rule.forward_headroom`), measured at
-        the end of the forward pass (zeros on other than telemetry
-        steps)."""
+        index -> float32 [2] (`rule.forward_headroom`), each measured
+        as soon as its point ran (zeros on other than telemetry steps)."""
         current = self._current(create=True, forward=True)
         current.clear()
         current.update(rows)
