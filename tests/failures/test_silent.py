@@ -75,6 +75,21 @@ def _forward_records(model):
     return {n: (float(r[AMAX]), float(r[NEAR_MAX])) for n, r in zip(names, records)}
 
 
+def _train_step(model, optimizer):
+    """One training step on a batch `x` of 32 (target 0), in a custom loop."""
+    target = tf.zeros([32, 4], tf.float32)
+
+    def train(x):
+        with tf.GradientTape() as tape:
+            loss = optimizer.scale_loss(
+                tf.reduce_mean(_small_loss(target, model(x, training=True)))
+            )
+        variables = model.trainable_variables
+        optimizer.apply(tape.gradient(loss, variables), variables)
+
+    return train
+
+
 @pytest.mark.parametrize(
     "mode", ["eager", "tf_function", pytest.param("xla", marks=pytest.mark.slow)]
 )
@@ -85,17 +100,7 @@ def test_forward_headroom_is_recorded_on_telemetry_steps_only(mixed, mode):
     batch and weights; step 1 (another batch, double the input) writes
     nothing: the records stay step 0's."""
     model, optimizer = _model(bias=5000.0, interval=2)
-    target = np.zeros([32, 4], np.float32)
-
-    def train(x):
-        with tf.GradientTape() as tape:
-            loss = optimizer.scale_loss(
-                tf.reduce_mean(_small_loss(target, model(x, training=True)))
-            )
-        variables = model.trainable_variables
-        optimizer.apply(tape.gradient(loss, variables), variables)
-
-    step = compiled(train, mode)
+    step = compiled(_train_step(model, optimizer), mode)
     x = _batch()
     for factor, telemetry in ((1, True), (2, False), (3, True)):
         before = _forward_records(model)
@@ -127,17 +132,7 @@ def test_each_point_measures_its_forward_headroom_in_its_own_branch(mixed):
     XLA, tf_als's peak fell from 2285 to 2099 MiB with a branch per point;
     Keras's is about 1400)."""
     model, optimizer = _model(bias=5000.0, interval=2)
-    target = tf.zeros([32, 4], tf.float32)
-
-    @tf.function
-    def train(x):
-        with tf.GradientTape() as tape:
-            loss = optimizer.scale_loss(
-                tf.reduce_mean(_small_loss(target, model(x, training=True)))
-            )
-        variables = model.trainable_variables
-        optimizer.apply(tape.gradient(loss, variables), variables)
-
+    train = tf.function(_train_step(model, optimizer))
     graph = train.get_concrete_function(tf.TensorSpec([32, 8], tf.float32)).graph
     branches = [
         op for op in graph.get_operations()
