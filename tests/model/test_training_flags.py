@@ -149,3 +149,45 @@ def test_transfer_learning_recipe_trains_as_under_keras(mixed):
         np.testing.assert_allclose(mine[0], theirs[0], rtol=0, atol=1e-6)
         for a, b in zip(mine[1:], theirs[1:]):
             np.testing.assert_array_equal(a, b)
+
+
+class _Mode(layers.Layer):
+    """A composite (a Dense inside) whose `call` declares a keyword
+    argument of its own (`factor`) and a call-context argument
+    (`foo_mode`, registered as Keras 3.15's docstring of
+    `_register_call_context_args` shows): each changes the output."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._register_call_context_args("foo_mode")
+        self.dense = layers.Dense(4, name="inner")
+
+    def call(self, x, foo_mode=False, factor=2.0):
+        return self.dense(x) * (factor + (10.0 if foo_mode else 0.0))
+
+
+@pytest.mark.parametrize("recorded", [None, False], ids=["context", "recorded_false"])
+def test_call_arguments_reach_every_call_as_in_keras(mixed, recorded):
+    """Besides `training`: a keyword argument recorded on the node
+    (`factor=3.0`), and a call-context argument given to the model's call
+    (`foo_mode`), which Keras hands to every layer that registered it unless
+    the node recorded its own. Outputs equal the plain model's bitwise
+    under every value, and the values change the output (so the comparison
+    can fail)."""
+    inputs = keras.Input((4,))
+    x = layers.Dense(4, name="first")(inputs)
+    extra = {} if recorded is None else {"foo_mode": recorded}
+    x = _Mode(name="mode")(x, factor=3.0, **extra)
+    model = keras.Model(inputs, layers.Dense(2, name="head", dtype="float32")(x))
+    model._register_call_context_args("foo_mode")
+    instrumented = tf_als.instrument(model)
+    x = _batch()[:, :4]
+    outputs = {}
+    for given in ({}, {"foo_mode": True}, {"foo_mode": False}):
+        expected = np.asarray(model(x, training=True, **given))
+        actual = np.asarray(instrumented(x, training=True, **given))
+        np.testing.assert_array_equal(actual, expected, err_msg=str(given))
+        outputs[tuple(given.items())] = expected
+    on, off = outputs[(("foo_mode", True),)], outputs[(("foo_mode", False),)]
+    # Keras hands `foo_mode` to the node only where none was recorded.
+    assert (np.max(np.abs(on - off)) > 0.1) == (recorded is None)
