@@ -15,10 +15,12 @@ resident set on a CPU. Columns (ratios, tf_als / Keras):
 - step: tf_als's median step with its telemetry every 100 steps (the
   default): every scale is chosen on every step, in the backward pass;
 - step, telemetry every step: `telemetry_interval=1`;
-- set-up: the first `fit` call;
+- set-up: the first `fit` call, without tf_als's first-batch check, which
+  it runs once (`overhead.py` reports the check's own time in steps);
 - peak memory.
 
-The design targets are 1.03, 1.03, 1.3 and 1.05 (docs/performance.md).
+The design targets are 1.03, 1.25, 1.3 and 1.05 (issue 38's goals;
+docs/performance.md).
 Models: the residual CNN and a 4-layer GPT-2 of hidden size 256 on a GPU;
 the residual CNN and the tiny GPT-2 on a CPU.
 """
@@ -29,7 +31,7 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TARGETS = {"step": 1.03, "step_every": 1.03, "setup": 1.3, "memory": 1.05}
+TARGETS = {"step": 1.03, "step_every": 1.25, "setup": 1.3, "memory": 1.05}
 # (batch, chunk, rounds) per model, on a GPU and on a CPU.
 GPU_SIZES = {"cnn": (64, 50, 3), "gpt2_mid": (16, 50, 3)}
 CPU_SIZES = {"cnn": (8, 10, 2), "gpt2": (None, 20, 2)}

@@ -30,7 +30,11 @@ ratios to Keras's median step:
   two measured numbers above;
 - set-up: the first `fit` call (one step: trace, compile, run), in a fresh
   process per variant (in the timing process, whichever variant runs first
-  would also pay the process's one-time costs);
+  would also pay the process's one-time costs), without tf_als's
+  first-batch check, which that call also runs once (before 2026-12-03
+  the column included it);
+- first-batch check: that check's own time, once, in Keras steps (its
+  median step between updates);
 - peak memory: the process's resident set size sampled every 2 ms during
   `--chunk` steps, in the same fresh processes (`--no-memory` leaves it
   out of the table; most of it is the TensorFlow runtime, so this is what a
@@ -265,6 +269,7 @@ def fresh_worker(args):
         args.variant, args.model, args.xla == "on", args.chunk, args.blocks,
         strategy, args.batch,
     )
+    check = _time_first_batch_check(model)
     start = time.perf_counter()
     model.fit(dataset(x, y, batch, 1), epochs=1, verbose=0)
     setup = time.perf_counter() - start
@@ -283,12 +288,34 @@ def fresh_worker(args):
     done.set()
     sampler.join()
     return {
-        "setup": setup,
+        "setup": setup - check[0],
+        "check": check[0],
         "after_setup": after_setup,
         "peak": peak[0],
         "trimmed": _trimmed_rss_mib(),
         "device_peak": _device_peak_mib(),
     }
+
+
+def _time_first_batch_check(model):
+    """A one-element list that accumulates the seconds `model`'s optimizer
+    spends in its first-batch check (`preflight`, which tf_als's `fit`
+    runs before the first step); stays [0.0] for Keras's."""
+    seconds = [0.0]
+    optimizer = model.optimizer
+    check = getattr(optimizer, "preflight", None)
+    if check is None:
+        return seconds
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return check(*args, **kwargs)
+        finally:
+            seconds[0] += time.perf_counter() - start
+
+    object.__setattr__(optimizer, "preflight", timed)
+    return seconds
 
 
 def _device_peak_mib():
@@ -394,7 +421,8 @@ COLUMNS = (
     ("interval_1", "interval 1", "{:.3f}"),
     ("interval_10", "interval 10", "{:.3f}"),
     ("interval_100", "interval 100", "{:.3f}"),
-    ("setup", "fit set-up", "{:.2f}"),
+    ("setup", "fit set-up without check", "{:.2f}"),
+    ("check_steps", "first-batch check (Keras steps)", "{:.1f}"),
     ("memory", "peak memory", "{:.3f}"),
     ("memory_trimmed", "memory after trim", "{:.3f}"),
 )
@@ -460,6 +488,9 @@ def main():
         }
         row["setup"] = fresh["tf_als"]["setup"] / fresh["keras"]["setup"]
         row["setup_seconds"] = {v: fresh[v]["setup"] for v in fresh}
+        row["check_seconds"] = fresh["tf_als"]["check"]
+        if row.get("keras_ms"):
+            row["check_steps"] = fresh["tf_als"]["check"] / (row["keras_ms"] / 1000.0)
         if memory:
             row["memory"] = fresh["tf_als"]["peak"] / fresh["keras"]["peak"]
             if fresh["keras"].get("trimmed") and fresh["tf_als"].get("trimmed"):
