@@ -11,15 +11,17 @@ scale. None of them is at its initial value (the scales are 1/8, 1 and
 32, the global scale 8192 after two skipped steps), so a part that failed
 to load shows.
 
-Tolerances: every loaded variable (the layers', the scaling state's,
-Adam's) is compared with the file's bytes, and the loaded model's
+Tolerances: the layers' and Adam's loaded variables are compared with the
+file's bytes, the scales and counters with what the version recorded, and
+the loaded model's
 predictions bit for bit with those of a plain Keras model built here from
 those bytes (the same operations on the same weights on the same CPU).
 The predictions the writing version measured were computed on another
 CPU (an AVX-512 Xeon); float32 kernels sum in another order elsewhere (an
 AMD EPYC with AVX2 differs by 2.4e-7 on outputs of magnitude 0.2-1.7), so
-they are compared to 1e-5 relative and 1e-6 absolute: a weight loaded
-wrongly or not at all moves them by more than 1e-2.
+they are compared to 1e-5 relative and 1e-6 absolute, about 4x the
+difference seen; the bitwise comparisons above are what catch a variable
+loaded wrongly.
 """
 
 import io
@@ -56,6 +58,11 @@ def _saved_arrays(path, group):
 LAYERS_IN_FILE = {"d1": "dense", "bn": "batch_normalization", "d2": "dense_1"}
 
 
+def _layer_arrays(path, layer):
+    """The saved variables of make.py's layer `layer` in the file `path`."""
+    return _saved_arrays(path, f"layers/functional/layers/{LAYERS_IN_FILE[layer]}/vars")
+
+
 def _plain_model(path):
     """make.py's model, plain Keras (d1 in float32, as promoted), with the
     variables the file at `path` holds."""
@@ -63,9 +70,8 @@ def _plain_model(path):
     h = keras.layers.Dense(16, activation="sigmoid", name="d1", dtype="float32")(inputs)
     h = keras.layers.BatchNormalization(name="bn")(h)
     model = keras.Model(inputs, keras.layers.Dense(3, dtype="float32", name="d2")(h))
-    for layer, saved_as in LAYERS_IN_FILE.items():
-        arrays = _saved_arrays(path, f"layers/functional/layers/{saved_as}/vars")
-        model.get_layer(layer).set_weights(arrays)
+    for layer in LAYERS_IN_FILE:
+        model.get_layer(layer).set_weights(_layer_arrays(path, layer))
     return model
 
 
@@ -88,8 +94,8 @@ def test_a_file_of_an_older_version_loads_with_all_its_state(mixed, version):
 
     # The layers' variables, as the file holds them (saved under the
     # wrapper's class-based paths).
-    for layer, saved_as in LAYERS_IN_FILE.items():
-        saved = _saved_arrays(path, f"layers/functional/layers/{saved_as}/vars")
+    for layer in LAYERS_IN_FILE:
+        saved = _layer_arrays(path, layer)
         loaded = [_numpy(v) for v in model.get_layer(layer).variables]
         assert len(loaded) == len(saved), layer
         for value, array in zip(loaded, saved):

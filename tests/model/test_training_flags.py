@@ -181,11 +181,11 @@ def test_call_arguments_reach_every_call_as_in_keras(mixed, recorded):
     model = keras.Model(inputs, layers.Dense(2, name="head", dtype="float32")(x))
     model._register_call_context_args("foo_mode")
     instrumented = tf_als.instrument(model)
-    x = _batch()[:, :4]
+    batch = _batch()[:, :4]
     outputs = {}
     for given in ({}, {"foo_mode": True}, {"foo_mode": False}):
-        expected = np.asarray(model(x, training=True, **given))
-        actual = np.asarray(instrumented(x, training=True, **given))
+        expected = np.asarray(model(batch, training=True, **given))
+        actual = np.asarray(instrumented(batch, training=True, **given))
         np.testing.assert_array_equal(actual, expected, err_msg=str(given))
         outputs[tuple(given.items())] = expected
     on, off = outputs[(("foo_mode", True),)], outputs[(("foo_mode", False),)]
