@@ -134,6 +134,65 @@ def test_the_scale_chosen_is_the_largest_finite_power_of_two(target):
     assert outcome.scale == _largest_finite_scale(model.uninstrumented(), batch)
 
 
+class _HiddenGrowth(layers.Layer):
+    """y = (x / 1024) * 1024, float16: the identity, whose backward pass
+    multiplies the gradient by 1024 inside the layer and divides it back,
+    so it overflows 1024 times below what its input and output gradients
+    show."""
+
+    def call(self, x):
+        return (x / 1024.0) * 1024.0
+
+
+def _summing_model(hidden_growth=False):
+    """A Dense over 64 features, whose kernel gradient sums over the batch
+    and so overflows before the gradients it receives and passes on."""
+    inputs = keras.Input((64,))
+    x = layers.Dense(64, name="wide")(inputs)
+    if hidden_growth:
+        x = _HiddenGrowth(name="growth")(x)
+    return keras.Model(inputs, layers.Dense(1, dtype="float32", name="out")(x))
+
+
+def _spied(forward):
+    """`forward`, recording the scale of every backward pass it makes."""
+    tried, backward = [], forward._backward
+
+    def spy(scale):
+        tried.append(scale)
+        return backward(scale)
+
+    forward._backward = spy
+    return tried
+
+
+@pytest.mark.parametrize("hidden_growth", [False, True])
+def test_the_scale_search_agrees_with_every_power_of_two_in_fewer_passes(hidden_growth):
+    """With an initial scale that overflows a weight gradient's sum, the
+    search tries 2**15, 1 and the scale the gradients measured at 1 allow:
+    three backward passes on one forward pass, with the answer of trying
+    every power of two. When the overflow happens inside a layer, where
+    nothing measured shows it, that guess fails and a bisection finds the
+    same answer (at most 8 more passes: the exponents span 40)."""
+    keras.utils.set_random_seed(0)
+    model = _summing_model(hidden_growth)
+    rng = np.random.default_rng(0)
+    batch = (
+        (rng.normal(size=(256, 64)) * 8).astype("float32"),
+        np.full((256, 1), 100.0, "float32"),
+        None,
+    )
+    expected = _largest_finite_scale(model, batch)
+    assert expected is not None and 1.0 < expected < 2.0**15
+    forward = backward_search.Forward(model, batch, _mse)
+    tried = _spied(forward)
+    assert preflight.largest_finite_scale(forward, 2.0**15) == expected
+    if hidden_growth:
+        assert 3 < len(tried) <= 3 + 8
+    else:
+        assert tried == [2.0**15, 1.0, expected]
+
+
 def test_fit_checks_the_first_batch_and_skips_nothing_for_it():
     """`dollars`' model, 2 epochs: promoted at step 0 and no step skipped at
     the scale chosen on the first batch for the first batches."""

@@ -2,13 +2,16 @@
 plain model, with one tape, that names the first layer (walking from the
 loss) whose backward pass turns a finite gradient into a non-finite one.
 
-Used when training already fails (promotion on a storm of skipped steps,
-`promote`), so its cost, one eager forward and backward pass per
-batch tried, is paid only then. The re-run leaves the model as it found it:
+Used by the first-batch check (`preflight`) and when training already
+fails (promotion on a storm of skipped steps, `promote`): one eager
+forward pass per batch tried (`Forward`), and one backward pass per loss
+scale tried on it. The re-run leaves the model as it found it:
 non-trainable variables (BatchNormalization's moving statistics, dropout
 seeds) are put back afterwards.
 """
 
+import contextlib
+import math
 from typing import Callable, Iterable, Optional
 
 import keras
@@ -16,12 +19,135 @@ import tensorflow as tf
 
 from tf_als._src.model import _keras
 from tf_als._src.failures import nonfinite
+from tf_als._src.scaling import rule
 
 # The result type and what it names, as `nonfinite` defines them.
 Finding = nonfinite.Finding
 WEIGHTS = nonfinite.WEIGHTS
 INPUTS = nonfinite.INPUTS
 OUTPUT = nonfinite.OUTPUT
+
+
+class Forward:
+    """One eager forward pass of `model` on `batch`, observed layer by
+    layer, and with `loss_fn` its loss under a persistent tape, so that the
+    gradients at any number of loss scales cost one backward pass each
+    (`at`) and no further forward pass. Leaves the model as it found it:
+    non-trainable variables (BatchNormalization's moving statistics, dropout
+    seeds) are put back after the forward pass.
+
+    Args:
+        model: a plain (not instrumented) Keras model.
+        batch: `(x, y, sample_weight)`.
+        loss_fn: `loss_fn(x, y, y_pred, sample_weight)`, the scalar loss;
+            None runs the forward pass only (`at` is then unavailable).
+        training: the `training` argument of the forward pass.
+
+    Attributes:
+        model: the model.
+        batch: the batch.
+        calls: `(layer, (args, kwargs), outputs)` of every layer call, in
+            completion order (innermost first).
+        y_pred: the model's outputs.
+        loss: the loss, float32 (None without `loss_fn`).
+
+    Example:
+
+    ```python
+    forward = backward_search.Forward(model, (x, y, None), loss_fn)
+    forward.at(2.0**15)  # Finding(layer='dense', what='input gradient', ...)
+    forward.at(1.0)      # None: finite
+    forward.largest(1.0) # 4096.0: float16's maximum over the amax at 1
+    ```
+    """
+
+    def __init__(self, model, batch, loss_fn=None, training: bool = True):
+        self.model, self.batch = model, batch
+        x, y, sample_weight = batch
+        self.calls = []
+
+        def observe(layer, arguments, outputs):
+            self.calls.append((layer, arguments, outputs))
+
+        self._tape = tf.GradientTape(persistent=True) if loss_fn else None
+        self.loss = None
+        with nonfinite.preserved(model.non_trainable_variables):
+            with self._tape or contextlib.nullcontext():
+                with _keras.layer_calls(observe):
+                    self.y_pred = model(x, training=training)
+                if loss_fn is not None:
+                    self.loss = tf.cast(
+                        loss_fn(x, y, self.y_pred, sample_weight), tf.float32
+                    )
+        self._found = {}  # scale -> Finding or None
+        self._amax = {}  # scale -> float16 amax of a finite backward pass
+
+    def at(self, scale: float) -> Optional[Finding]:
+        """Where the gradients of `scale` times the loss turn non-finite
+        (see `first_non_finite_gradient`), or None."""
+        if scale not in self._found:
+            self._found[scale] = self._backward(scale)
+        return self._found[scale]
+
+    def largest(self, scale: float) -> Optional[float]:
+        """After `at(scale)` found every gradient finite: the largest power
+        of two at which the float16 gradients still fit float16: those of
+        the layers' inputs and outputs, and the weight gradients of the
+        layers that compute in float16 (float16's maximum over their amax
+        at `scale`, times `scale`). Any larger scale overflows one of them;
+        this one may still overflow inside a layer's own backward pass.
+        None when they are all 0."""
+        amax = self._amax.get(scale)
+        if not amax:
+            return None
+        return scale * 2.0 ** math.floor(math.log2(rule.FLOAT16_MAX / amax))
+
+    def _float16_weights(self) -> set:
+        """The ids of the variables of the leaf layers that compute in
+        float16: their gradients are float16 sums before they are cast
+        to the variables' float32, so they overflow with the scale."""
+        return {
+            id(w)
+            for layer, _, _ in self.calls
+            if layer.compute_dtype == "float16"
+            and not _keras.sublayers(layer, recursive=False)
+            for w in layer.trainable_weights
+        }
+
+    def _backward(self, scale):
+        if self._tape is None:
+            raise ValueError("Forward(loss_fn=None) has no backward pass")
+        if not bool(tf.math.is_finite(self.loss)):
+            return Finding(layer=None, what=nonfinite.LOSS)
+        floats = [
+            (nonfinite.floats(arguments), nonfinite.floats(outputs))
+            for _, arguments, outputs in self.calls
+        ]
+        tensors = [t for inputs, outputs in floats for t in inputs + outputs]
+        weights = self.model.trainable_weights
+        model_outputs = nonfinite.floats(self.y_pred)
+        grads = self._tape.gradient(
+            self.loss,
+            tensors + weights + model_outputs,
+            output_gradients=tf.constant(scale, tf.float32),
+        )
+        finite = {
+            id(t): nonfinite.all_finite(g) for t, g in zip(tensors + weights, grads)
+        }
+        if all(finite.values()):
+            halves = self._float16_weights()
+            self._amax[scale] = _amax(
+                [g for t, g in zip(tensors, grads) if t.dtype == tf.float16]
+                + [g for w, g in zip(weights, grads[len(tensors) :]) if id(w) in halves]
+                + [g for t, g in zip(model_outputs, grads[-len(model_outputs) :])
+                   if t.dtype == tf.float16]
+            )
+            return None
+        outputs_finite = [
+            nonfinite.all_finite(g) for g in grads[len(tensors) + len(weights) :]
+        ]
+        calls = [(layer, *f) for (layer, _, _), f in zip(self.calls, floats)]
+        return _blame(calls, finite, model_outputs, outputs_finite)
 
 
 def first_non_finite_gradient(
@@ -33,7 +159,8 @@ def first_non_finite_gradient(
 ) -> Optional[Finding]:
     """Runs `model` eagerly on one batch and backpropagates `scale` times
     its loss; returns None when every gradient is finite, else where they
-    turned non-finite.
+    turned non-finite (a `Forward`'s `at`: to try several scales, make one
+    `Forward` and call its `at`).
 
     The layer to blame is the innermost one, walking from the loss, whose
     output gradient is finite while its input or weight gradients are not;
@@ -57,31 +184,7 @@ def first_non_finite_gradient(
     # Finding(layer='temperature', what='weight gradients', point=None, receivers=())
     ```
     """
-    x, y, sample_weight = batch
-    calls = []
-
-    def observe(layer, inputs, outputs):
-        calls.append((layer, nonfinite.floats(inputs), nonfinite.floats(outputs)))
-
-    with nonfinite.preserved(model.non_trainable_variables):
-        with tf.GradientTape() as tape:
-            with _keras.layer_calls(observe):
-                y_pred = model(x, training=training)
-            loss = tf.cast(loss_fn(x, y, y_pred, sample_weight), tf.float32)
-            scaled = loss * scale
-    if not bool(tf.math.is_finite(loss)):
-        return Finding(layer=None, what=nonfinite.LOSS)
-    tensors = [t for _, inputs, outputs in calls for t in inputs + outputs]
-    weights = model.trainable_weights
-    model_outputs = nonfinite.floats(y_pred)
-    grads = tape.gradient(scaled, tensors + weights + model_outputs)
-    finite = {id(t): nonfinite.all_finite(g) for t, g in zip(tensors + weights, grads)}
-    if all(finite.values()):
-        return None
-    outputs_finite = [
-        nonfinite.all_finite(g) for g in grads[len(tensors) + len(weights) :]
-    ]
-    return _blame(calls, finite, model_outputs, outputs_finite)
+    return Forward(model, batch, loss_fn, training).at(scale)
 
 
 def search(
@@ -137,3 +240,16 @@ def _blame(calls, finite, y_pred, outputs_finite) -> Finding:
             if any(o is tensor for o in outputs):
                 return Finding(layer=nonfinite.layer_path(layer), what=OUTPUT)
     return Finding(layer=None, what=nonfinite.OUTSIDE)
+
+
+def _amax(grads) -> float:
+    """The largest magnitude among `grads` (None entries left out), 0.0
+    when there are none."""
+    values = [
+        tf.cast(tf.reduce_max(tf.abs(g.values if isinstance(g, tf.IndexedSlices) else g)), tf.float32)
+        for g in grads
+        if g is not None
+    ]
+    if not values:
+        return 0.0
+    return float(tf.reduce_max(tf.stack(values)))

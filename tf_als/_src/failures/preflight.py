@@ -25,15 +25,17 @@ found it:
    gradient from the loss fits float16 only at a scale below 1.
    Then, before the first step and after a promotion, the global scale S
    is chosen: the largest power of two at most the initial scale at which
-   the gradients are finite (bisection, down to `MIN_SCALE`).
+   the gradients are finite (`largest_finite_scale`, down to `MIN_SCALE`).
 3. Failing layers are promoted (`promote`), every one found at
    once, and the check runs again, until nothing fails or the cap on
    failures is reached; then S is set.
 
 A healthy model costs one eager forward pass, one float32 re-run of each
 leaf layer not from Keras and one backward pass (at the initial scale) on
-one batch, once; more only when the initial scale overflows (the check at
-1, and a bisection of about six backward passes).
+one batch, once. When the initial scale overflows, two more backward
+passes on the same forward pass usually suffice (at 1, and at the scale
+the gradients measured there allow); a bisection follows only when that
+one overflows inside a layer.
 """
 
 import dataclasses
@@ -104,20 +106,20 @@ def run(
     """`check` on each of `batches` in turn, until one has a failure to
     promote; the outcome's scale is chosen on that batch, or with `choose`
     on the first batch when none had one (None without `loss_fn`). The
-    batches that pass cost a forward pass, the float32 re-runs and one or
-    two backward passes each."""
-    first = None
+    batches that pass cost a forward pass, the float32 re-runs and one
+    backward pass each (three when the initial scale overflows)."""
+    chosen, first = None, True
     for batch in batches:
-        first = batch if first is None else first
-        outcome = check(model, batch, loss_fn, scale, step, choose=False)
+        outcome = check(model, batch, loss_fn, scale, step, choose=choose and first)
+        if outcome.promotions and outcome.scale is None and loss_fn is not None:
+            # Stopped after a promotion: S for the model as it was left.
+            forward = backward_search.Forward(model.uninstrumented(), batch, loss_fn)
+            outcome = dataclasses.replace(outcome, scale=largest_finite_scale(forward, scale))
         if outcome.promotions or outcome.stopped is not None:
-            if outcome.promotions and loss_fn is not None:
-                chosen = largest_finite_scale(model.uninstrumented(), batch, loss_fn, scale)
-                outcome = dataclasses.replace(outcome, scale=chosen)
             return outcome
-    if not choose or first is None or loss_fn is None:
-        return Outcome((), None, None)
-    return Outcome((), largest_finite_scale(model.uninstrumented(), first, loss_fn, scale), None)
+        chosen = outcome.scale if first else chosen
+        first = False
+    return Outcome((), chosen, None)
 
 
 def check(
@@ -142,8 +144,9 @@ def check(
             scale).
         step: the optimizer step, for the promotions' record.
         training: the `training` argument of the forward pass.
-        choose: whether to choose the scale (False: the outcome's scale is
-            None).
+        choose: whether to choose the scale when nothing was promoted
+            (False: the outcome's scale is None); after a promotion it is
+            always chosen.
 
     Returns:
         An `Outcome`.
@@ -160,14 +163,15 @@ def check(
     made, previous = [], {}
     top = math.floor(math.log2(scale))
     while True:
-        findings = forward_failures(model.uninstrumented(), batch, training, loss_fn)
+        forward = backward_search.Forward(model.uninstrumented(), batch, loss_fn, training)
+        findings = _forward_failures(forward, training, loss_fn)
         at_top = None
         if not findings and loss_fn is not None:
             # Finite at the initial scale: finite below it too (a smaller
             # scale can only underflow), so nothing fails backward.
-            at_top = _probe(model.uninstrumented(), batch, loss_fn, top, training)
+            at_top = forward.at(2.0**top)
             if at_top is not None:
-                findings = backward_failures(model.uninstrumented(), batch, loss_fn, training)
+                findings = backward_failures(forward)
         again = [f for f in findings if f.layer in previous]
         if again:
             return _taken_back(model, made, previous, again[0])
@@ -178,10 +182,8 @@ def check(
                 return Outcome(tuple(made), None, stopped)
             continue
         chosen = None
-        if choose and loss_fn is not None:
-            chosen = 2.0**top if at_top is None else largest_finite_scale(
-                model.uninstrumented(), batch, loss_fn, scale, training
-            )
+        if (choose or made) and loss_fn is not None:
+            chosen = 2.0**top if at_top is None else largest_finite_scale(forward, scale)
         return Outcome(tuple(made), chosen, None)
 
 
@@ -207,46 +209,45 @@ def forward_failures(
     """The `Finding`s of `model`'s float16 forward pass on `batch` (see the
     module's docstring), and with `loss_fn`, of its loss; [] when none
     fails."""
-    x, y, sample_weight = batch
-    calls = []
+    forward = backward_search.Forward(model, batch, loss_fn, training)
+    return _forward_failures(forward, training, loss_fn)
 
-    def observe(layer, arguments, outputs):
-        calls.append((layer, arguments, outputs))
 
-    with nonfinite.preserved(model.non_trainable_variables):
-        with _keras.layer_calls(observe):
-            y_pred = model(x, training=training)
-        findings = []
-        for layer, arguments, outputs in calls:
+def _forward_failures(forward, training, loss_fn) -> list:
+    """`forward_failures` of a `backward_search.Forward` (the float32
+    re-runs leave the model as they found it)."""
+    findings = []
+    with nonfinite.preserved(forward.model.non_trainable_variables):
+        for layer, arguments, outputs in forward.calls:
             if _checked(layer):
                 reason = _stray(layer, arguments, outputs)
                 if reason is not None:
                     findings.append(Finding(nonfinite.layer_path(layer), reason))
-    findings += _unreachable_targets(calls, y_pred, y)
+    findings += _unreachable_targets(forward.calls, forward.y_pred, forward.batch[1])
     if loss_fn is not None and not findings:
-        findings += _loss_overflows(calls, y_pred, batch, loss_fn)
+        findings += _loss_overflows(forward, loss_fn)
     return _unique(findings)
 
 
-def _loss_overflows(calls, y_pred, batch, loss_fn) -> list:
+def _loss_overflows(forward, loss_fn) -> list:
     """When the loss on the float16 model outputs differs from the loss on
     the same outputs cast to float32 (exactly), by more than
     `RELATIVE_ERROR` or in finiteness, the `Finding`s of the layers that
     produce the float16 outputs: the user's loss sums them in float16 (a
     soft-Dice over a batch of maps reads 1.0, and every gradient 0)."""
-    x, y, sample_weight = batch
-    outputs = [o for o in nonfinite.floats(y_pred) if o.dtype == tf.float16]
+    x, y, sample_weight = forward.batch
+    outputs = [o for o in nonfinite.floats(forward.y_pred) if o.dtype == tf.float16]
     if not outputs:
         return []
-    got = float(loss_fn(x, y, y_pred, sample_weight))
-    want = float(loss_fn(x, y, _to_float32(y_pred), sample_weight))
+    got = float(forward.loss)
+    want = float(loss_fn(x, y, _to_float32(forward.y_pred), sample_weight))
     if not math.isfinite(want):
         return []
     if math.isfinite(got) and abs(got - want) <= RELATIVE_ERROR * max(abs(want), 1e-30):
         return []
     findings = []
     for output in outputs:
-        producer = _producer(calls, output)
+        producer = _producer(forward.calls, output)
         if producer is not None:
             findings.append(
                 Finding(
@@ -341,19 +342,18 @@ def _unreachable_targets(calls, y_pred, y) -> list:
     return findings
 
 
-def backward_failures(
-    model: keras.Model, batch: tuple, loss_fn: Callable, training: bool = True
-) -> list:
-    """The `Finding`s of the backward pass of `model` on `batch`: [] when
-    its gradients are finite at a global scale of 1; else the layer whose
-    backward pass is not finite even at `MIN_SCALE`, or the float16 model
-    output whose gradient from the loss fits float16 only below 1 (a
-    float16 softmax under a cross-entropy on probabilities)."""
-    at_one = _probe(model, batch, loss_fn, 0, training)
+def backward_failures(forward) -> list:
+    """The `Finding`s of the backward pass of a `backward_search.Forward`:
+    [] when its gradients are finite at a global scale of 1; else the
+    layer whose float16 backward pass is not finite even at `MIN_SCALE`,
+    or the float16 model output whose gradient from the loss fits float16
+    only at a scale below 1 (a float16 softmax under a cross-entropy on
+    probabilities)."""
+    at_one = forward.at(1.0)
     if at_one is None:
         return []
     floor = round(math.log2(MIN_SCALE))
-    at_floor = _probe(model, batch, loss_fn, floor, training)
+    at_floor = forward.at(2.0**floor)
     if at_floor is not None:
         if at_floor.layer is None:
             return []  # The loss itself: no promotion helps.
@@ -362,7 +362,7 @@ def backward_failures(
     low, high, above = floor, 0, at_one
     while high - low > 1:
         middle = (high + low) // 2
-        finding = _probe(model, batch, loss_fn, middle, training)
+        finding = forward.at(2.0**middle)
         if finding is None:
             low = middle
         else:
@@ -378,37 +378,41 @@ def backward_failures(
     return [Finding(above.layer, reason)]
 
 
-def largest_finite_scale(
-    model: keras.Model,
-    batch: tuple,
-    loss_fn: Callable,
-    scale: float,
-    training: bool = True,
-) -> Optional[float]:
+def largest_finite_scale(forward, scale: float) -> Optional[float]:
     """The largest power of two, at most `scale` and at least `MIN_SCALE`,
-    at which the gradients of `model` on `batch` are finite (bisection);
-    None when there is none."""
-    high = math.floor(math.log2(scale))
-    if _probe(model, batch, loss_fn, high, training) is None:
-        return 2.0**high
-    low = round(math.log2(MIN_SCALE))
-    if _probe(model, batch, loss_fn, low, training) is not None:
-        return None
-    while high - low > 1:
-        middle = (high + low) // 2
-        if _probe(model, batch, loss_fn, middle, training) is None:
-            low = middle
+    at which the gradients of a `backward_search.Forward` are finite; None
+    when there is none.
+
+    A bisection between a scale that overflows and one that does not. A
+    finite try measures the largest scale at which the layers' float16
+    input and output gradients fit (`Forward.largest`): every larger
+    scale overflows them, so the bisection's upper end comes down to it,
+    and its first try is that scale: when nothing inside a layer
+    overflows first, that is the answer. A model whose initial scale
+    overflows costs three backward passes (the initial scale, 1 and that
+    one) where a plain bisection made about eight."""
+    bad = math.floor(math.log2(scale))
+    if forward.at(2.0**bad) is None:
+        return 2.0**bad
+    good = min(0, bad - 1)
+    if forward.at(2.0**good) is not None:
+        bad, good = good, round(math.log2(MIN_SCALE))
+        if forward.at(2.0**good) is not None:
+            return None
+    guessed = False
+    while True:
+        largest = forward.largest(2.0**good)
+        if largest is not None:
+            bad = min(bad, math.floor(math.log2(largest)) + 1)
+        if bad - good <= 1:
+            return 2.0**good
+        middle = (good + bad) // 2
+        if largest is not None and not guessed:
+            guessed, middle = True, bad - 1
+        if forward.at(2.0**middle) is None:
+            good = middle
         else:
-            high = middle
-    return 2.0**low
-
-
-def _probe(model, batch, loss_fn, exponent, training):
-    """Where `batch`'s gradients turn non-finite at the scale 2**exponent
-    (`backward_search`), or None."""
-    return backward_search.first_non_finite_gradient(
-        model, loss_fn, batch, 2.0**exponent, training
-    )
+            bad = middle
 
 
 def _to_float32(structure):
