@@ -2,7 +2,7 @@
 sort they replace, side by side in one process.
 
 For float16 gradients of growing size (log-normal magnitudes, a third
-zeros), times `rule.tally` (amax and a count per binary exponent,
+zeros), times `rule.tallies` (amax and a count per binary exponent,
 what a scaling point runs on an update step) followed by
 `rule.statistics_of_tallies` (the percentile, fractions and
 histogram derived from it), and the same statistics with the
@@ -39,7 +39,7 @@ def _sorted_statistics(g, rate):
     index = tf.floor(rate * tf.maximum(nonzero - 1.0, 0.0))
     q = tf.minimum(100.0 * (index + 0.5) / tf.maximum(size - 1.0, 1.0), 100.0)
     percentile = tfp.stats.percentile(masked, q, interpolation="lower")
-    _, histograms = rule.statistics_of_tallies(rule.tally(g)[tf.newaxis], 0.0)
+    _, histograms = rule.statistics_of_tallies(rule.tallies([g]), 0.0)
     histogram = histograms[0]
     return tf.concat(
         [tf.stack([percentile, tf.reduce_max(magnitudes)]), histogram], 0
@@ -48,7 +48,7 @@ def _sorted_statistics(g, rate):
 
 def _linear_statistics(g, rate):
     """tf_als's: the tally, then the statistics derived from it."""
-    stats, histograms = rule.statistics_of_tallies(rule.tally(g)[tf.newaxis], rate)
+    stats, histograms = rule.statistics_of_tallies(rule.tallies([g]), rate)
     return tf.concat([tf.stack([stats.percentile[0], stats.amax[0]]), histograms[0]], 0)
 
 

@@ -169,14 +169,14 @@ def test_pow2_accepts_int64_exponents(run):
 
 # --------------------------------------------------------------------------
 # One gradient's telemetry, as the training step derives it for many points
-# at once (`rule.tally`, then `rule.statistics_of_tallies`).
+# at once (`rule.tallies`, then `rule.statistics_of_tallies`).
 # --------------------------------------------------------------------------
 
 
 def gradient_statistics(gradients, underflow_rate) -> rule.GradientStatistics:
     """The statistics of one gradient (or a pooled list of them)."""
     statistics, _ = rule.statistics_of_tallies(
-        rule.tally(gradients)[tf.newaxis], underflow_rate
+        rule.tallies([gradients]), underflow_rate
     )
     return rule.GradientStatistics(*[field[0] for field in statistics])
 
@@ -184,7 +184,7 @@ def gradient_statistics(gradients, underflow_rate) -> rule.GradientStatistics:
 def log2_histogram(gradients) -> tf.Tensor:
     """The log2 histogram of one gradient: fractions per exponent of
     `rule.HISTOGRAM_EXPONENTS` (zeros and non-finite elements in no bin)."""
-    _, histograms = rule.statistics_of_tallies(rule.tally(gradients)[tf.newaxis], 0.0)
+    _, histograms = rule.statistics_of_tallies(rule.tallies([gradients]), 0.0)
     return histograms[0]
 
 
@@ -683,7 +683,7 @@ TALLY_CASES = [
 def test_tally_counts_every_binary_exponent(run):
     """amax and one count per exponent, against numpy's frexp: float16
     subnormals are float32 normals, so each has its own exponent."""
-    outputs = run(lambda gs: [rule.tally(g) for g in gs], [g for _, g in TALLY_CASES])
+    outputs = run(lambda gs: tf.unstack(rule.tallies(gs)), [g for _, g in TALLY_CASES])
     for (what, gradients), out in zip(TALLY_CASES, outputs):
         values = np.concatenate([np.asarray(g, np.float64).ravel() for g in gradients])
         assert out.shape == (rule.TALLY_SIZE,)
@@ -697,7 +697,7 @@ def test_statistics_of_tallies_keeps_rows_apart(run):
 
     def fn(gs):
         stats, histograms = rule.statistics_of_tallies(
-            tf.stack([rule.tally(g) for g in gs]), 0.5
+            rule.tallies(gs), 0.5
         )
         return stats, histograms, [
             gradient_statistics(g, 0.5) for g in gs
@@ -719,7 +719,7 @@ def test_tally_then_choose_with_knobs(run):
     # amax chooses, ceiling 2**10, margin 2**4: amax 3 -> 3 * 2**(k+4) <=
     # 65504 -> k = 10, at the ceiling -> 2**10.
     def fn(g):
-        stats, _ = rule.statistics_of_tallies(rule.tally([g])[tf.newaxis], 0.01)
+        stats, _ = rule.statistics_of_tallies(rule.tallies([[g]]), 0.01)
         return (
             choose(stats.amax[0], tf.constant(2.0**10), tf.constant(2.0**4)),
             choose(rule.amax_of(g), tf.constant(2.0**10), tf.constant(2.0**4)),
@@ -953,18 +953,32 @@ def test_sample_is_small_odd_strided_and_whole_when_small(run):
     assert len(set((strided % 32).tolist())) == 32
 
 
-def test_telemetry_tally_counts_the_sample_and_keeps_the_exact_amax(run):
+def test_telemetry_tallies_count_each_points_samples_and_keep_the_exact_amax(run):
+    """Three points at once (two samples of different dtypes and lengths,
+    one, none): each row is `tallies` of that point's samples alone, with
+    the exact amax given in place of the samples' (5.0 is off the stride-3
+    sample of the first point's gradient)."""
     g = np.zeros(8193, np.float32)
-    g[1] = 5.0  # not on the stride-3 sample
+    g[1] = 5.0
     g[3] = 2.0**-20
+    other = np.array([0.0, -1.5, 2.0**-14, 3.0], np.float16)
+    third = np.array([2.0**-24, 7.0, -7.0], np.float16)
 
-    def fn(x, amax):
-        return rule.telemetry_tally(x, amax)
+    def fn(g, other, third, amaxes):
+        samples = [[rule.sample(g), other], [third], []]
+        return rule.telemetry_tallies(samples, amaxes), [
+            rule.tallies([s])[0] for s in samples
+        ]
 
-    tally = run(fn, f32(g), tf.constant(5.0))
-    assert tally[0] == 5.0
-    assert tally[1:].sum() == len(range(0, 8193, 3))  # the sample's size
-    stats, _ = rule.statistics_of_tallies(tally[np.newaxis], 0.0)
+    amaxes = tf.constant([5.0, 7.0, 0.0])
+    tallies, alone = run(fn, f32(g), tf.constant(other), tf.constant(third), amaxes)
+    assert tallies.shape == (3, rule.TALLY_SIZE)
+    assert_exact(tallies[:, 0], amaxes.numpy())
+    for row, expected in zip(tallies, alone):
+        assert_exact(row[1:], np.asarray(expected)[1:])
+    assert tallies[0, 1:].sum() == len(range(0, 8193, 3)) + len(other)
+    assert tallies[2, 1:].sum() == 0
+    stats, _ = rule.statistics_of_tallies(tallies[:1], 0.0)
     assert float(stats.percentile[0]) == 2.0**-20
 
 

@@ -419,6 +419,19 @@ def default_graph():
     return tf.compat.v1.get_default_graph()
 
 
+def unrecorded():
+    """A context in which no gradient tape of this thread records the ops
+    made: for measurements nothing differentiates (a tape that records
+    the branches of a `tf.cond` makes the cond's trace about twice as
+    long). TensorFlow 2.21 `tensorflow.python.eager.record.stop_recording`;
+    public: `GradientTape.stop_recording`, one tape at a time, and the
+    tapes that record here (Keras's, an enclosing scaling point's) are not
+    ours to reach."""
+    from tensorflow.python.eager import record
+
+    return record.stop_recording()
+
+
 class CheckpointOnly:
     """Mixin for a Keras layer or model: its dependencies named in
     `checkpoint_only` (a tuple of names given to `track`) are saved and

@@ -53,6 +53,7 @@ grows with the sample's size, not with size * log(size) (the paper's rule,
 counts give both the percentile and the log2 histogram.
 """
 
+import struct
 import types
 from typing import NamedTuple
 
@@ -98,22 +99,6 @@ class GradientStatistics(NamedTuple):
     near_max_fraction: tf.Tensor
 
 
-
-
-def nan_max(values, axis=None) -> tf.Tensor:
-    """The maximum of `values` (float32) over `axis`, NaN wherever a NaN is
-    among them: TensorFlow's max reduction may drop NaN. inf stays inf.
-
-    >>> float(nan_max(tf.constant([1.0, float("nan"), 3.0])))
-    nan
-    >>> nan_max(tf.constant([[1.0, 2.0], [float("inf"), 0.0]]), 0).numpy()
-    array([inf,  2.], dtype=float32)
-    """
-    return tf.where(
-        tf.reduce_any(tf.math.is_nan(values), axis),
-        tf.constant(float("nan")),
-        tf.reduce_max(values, axis),
-    )
 
 
 
@@ -181,11 +166,14 @@ NEAR_MAX_THRESHOLD = FLOAT16_MAX / NEAR_MAX_FACTOR
 
 def forward_headroom(outputs) -> tf.Tensor:
     """[amax, near-max fraction] of a scaling point's forward outputs (a
-    list of tensors, pooled), float32: the largest magnitude (`amax_of`,
-    exact), and the exact share of elements with magnitude >=
-    `NEAR_MAX_THRESHOLD` (NaN and inf counted, as in `GradientStatistics`'
-    `near_max_fraction`). [0, 0] when there are no outputs. A full pass over
-    each output: telemetry steps only.
+    list of float16 tensors, pooled), float32: the largest magnitude
+    (exact; NaN when one is NaN), and the exact share of elements with
+    magnitude >= `NEAR_MAX_THRESHOLD` (NaN and inf counted, as in
+    `GradientStatistics`' `near_max_fraction`). [0, 0] when there are no
+    outputs. A full pass over each output, on telemetry steps only, read
+    from the bit patterns: a float16's magnitude orders as its bits
+    without the sign, NaN's above inf's, so one mask, one maximum and one
+    comparison give both (few ops: each point traces its own branch).
 
     >>> y = tf.constant([1.0, -5000.0, 4094.0, 100.0], tf.float16)
     >>> forward_headroom([y]).numpy().tolist()
@@ -195,15 +183,24 @@ def forward_headroom(outputs) -> tf.Tensor:
     """
     if not outputs:
         return tf.zeros([2], tf.float32)
-    near, size = [], []
+    threshold = _float16_bits(NEAR_MAX_THRESHOLD)
+    largest, near, size = [], [], []
     for y in outputs:
-        flagged = tf.logical_or(tf.abs(y) >= NEAR_MAX_THRESHOLD, tf.math.is_nan(y))
-        near.append(tf.math.count_nonzero(flagged, dtype=tf.int64))
+        bits = tf.bitwise.bitwise_and(tf.bitcast(y, tf.int16), 0x7FFF)
+        largest.append(tf.reduce_max(bits))
+        near.append(tf.reduce_sum(tf.cast(bits >= threshold, tf.int64)))
         size.append(tf.size(y, out_type=tf.int64))
+    bits = largest[0] if len(largest) == 1 else tf.reduce_max(tf.stack(largest))
+    amax = tf.cast(tf.bitcast(tf.maximum(bits, 0), tf.float16), tf.float32)
     share = tf.cast(tf.add_n(near), tf.float64) / tf.cast(
         tf.maximum(tf.add_n(size), 1), tf.float64
     )
-    return tf.stack([amax_of(list(outputs)), tf.cast(share, tf.float32)])
+    return tf.stack([amax, tf.cast(share, tf.float32)])
+
+
+def _float16_bits(value) -> int:
+    """The bit pattern of the float16 `value` (exact), as an int."""
+    return struct.unpack("<h", struct.pack("<e", value))[0]
 
 
 # Float dtype -> (signed and unsigned integers of its width, its sign bit).
@@ -369,40 +366,52 @@ def _field(exponent):
     return exponent - _pow2.MIN_EXPONENT + 1
 
 
-def tally(gradients) -> tf.Tensor:
-    """The tally of `gradients` (a tensor or a list of tensors of any float
-    dtype and shape, pooled): a float32 vector of `TALLY_SIZE`, its amax
-    (`nan_max` of the magnitudes) then one count per float32 exponent field.
+def tallies(groups) -> tf.Tensor:
+    """The tally of each of `groups` (each a tensor or a list of tensors of
+    any float dtype and shape, pooled), as the rows of a float32
+    [len(groups), `TALLY_SIZE`]: the group's amax (NaN when one element
+    is NaN; 0 for an empty group) then one count per float32 exponent
+    field.
 
-    A few elementwise ops and one segment sum per gradient: what a
-    telemetry step runs on each point's sample. `statistics_of_tallies` derives
-    everything else, for all points at once. Counts are exact up to 2**24
-    elements per exponent (float32).
+    What a telemetry step runs on every point's sample at once: a few
+    elementwise ops over all of them together and one segment sum and
+    one segment max keyed by group, whatever the number of groups.
+    `statistics_of_tallies` derives everything else from the rows.
+    Counts are exact up to 2**24 elements per exponent (float32).
 
-    >>> t = tally(tf.constant([0.0, -1.5, 2.0**-20, 1.0], tf.float16))
+    >>> t = tallies([tf.constant([0.0, -1.5, 2.0**-20, 1.0], tf.float16)])[0]
     >>> float(t[0]), float(t[1]), float(t[1 + _field(0)]), float(t[1 + _field(-20)])
     (1.5, 1.0, 2.0, 1.0)
-    >>> float(tally(tf.constant([1.0, -float("nan"), float("inf")]))[0])
-    nan
+    >>> tallies([tf.constant([1.0, -float("nan"), float("inf")]), []])[:, 0].numpy()
+    array([nan,  0.], dtype=float32)
     """
-    if not isinstance(gradients, (list, tuple)):
-        gradients = [gradients]
-    amaxes, counts = [], []
-    for g in gradients:
-        magnitudes = tf.abs(tf.reshape(tf.cast(g, tf.float32), [-1]))
-        bits = tf.bitcast(magnitudes, tf.int32)
-        # Non-negative floats order as their bit patterns, and NaN's lie
-        # above inf's: one integer max is a NaN-propagating amax (XLA
-        # compiles it in about half the time of `nan_max`'s two
-        # reductions; 0 for an empty gradient).
-        amaxes.append(tf.bitcast(tf.maximum(tf.reduce_max(bits), 0), tf.float32))
-        fields = tf.bitwise.right_shift(bits, 23)
-        counts.append(
-            tf.math.unsorted_segment_sum(tf.ones_like(fields), fields, _EXPONENT_FIELDS)
-        )
-    amax = amaxes[0] if len(amaxes) == 1 else nan_max(tf.stack(amaxes))
-    count = counts[0] if len(counts) == 1 else tf.add_n(counts)
-    return tf.concat([amax[tf.newaxis], tf.cast(count, tf.float32)], 0)
+    count = len(groups)
+    pieces, owners, lengths = [], [], []
+    for group, gradients in enumerate(groups):
+        if not isinstance(gradients, (list, tuple)):
+            gradients = [gradients]
+        for g in gradients:
+            flat = tf.reshape(tf.cast(g, tf.float32), [-1])
+            pieces.append(flat)
+            owners.append(group)
+            size = flat.shape[0]
+            lengths.append(size if size is not None else tf.size(flat))
+    if not pieces:
+        return tf.zeros([count, TALLY_SIZE])
+    # Non-negative floats order as their bit patterns, and NaN's lie above
+    # inf's: one integer max is a NaN-propagating amax.
+    bits = tf.bitcast(tf.abs(tf.concat(pieces, 0)), tf.int32)
+    owner = tf.repeat(tf.constant(owners, tf.int32), tf.stack(lengths))
+    amax = tf.bitcast(
+        tf.maximum(tf.math.unsorted_segment_max(bits, owner, count), 0), tf.float32
+    )
+    fields = tf.bitwise.right_shift(bits, 23)
+    counts = tf.math.unsorted_segment_sum(
+        tf.ones_like(fields), owner * _EXPONENT_FIELDS + fields,
+        count * _EXPONENT_FIELDS,
+    )
+    counts = tf.reshape(tf.cast(counts, tf.float32), [count, _EXPONENT_FIELDS])
+    return tf.concat([amax[:, tf.newaxis], counts], 1)
 
 
 # Telemetry tallies a sample of at most this many elements of each
@@ -437,21 +446,20 @@ def sample(gradient, size: int = SAMPLE_SIZE, examples: int = 4) -> tf.Tensor:
     return flat[::stride]
 
 
-def telemetry_tally(gradients, amax) -> tf.Tensor:
-    """The tally (`tally`) of a `sample` of each of `gradients`, with the
-    exact `amax` of the whole gradients in place of the sample's: what a
-    scaling point records on every step, for the telemetry. Its counts
-    describe the sample: fractions and the percentile are estimates from
-    up to `SAMPLE_SIZE` elements per gradient; amax is exact.
+def telemetry_tallies(samples, amaxes) -> tf.Tensor:
+    """The `tallies` of every point's `sample`s ([points, `TALLY_SIZE`]),
+    each row with the point's exact amax (`amaxes`, [points]) in place of
+    its sample's: what a telemetry step records. `samples` holds one
+    sequence of sampled gradients per point. Its counts describe the
+    samples: fractions and the percentile are estimates from up to
+    `SAMPLE_SIZE` elements per gradient; amax is exact.
 
-    >>> t = telemetry_tally(tf.constant([0.0, 1.0, 2.0]), tf.constant(2.0))
-    >>> float(t[0]), float(tf.reduce_sum(t[1:]))
-    (2.0, 3.0)
+    >>> t = telemetry_tallies([[tf.constant([0.0, 1.0, 2.0])], []], tf.constant([2.0, 0.0]))
+    >>> t[:, 0].numpy().tolist(), tf.reduce_sum(t[:, 1:], axis=1).numpy().tolist()
+    ([2.0, 0.0], [3.0, 0.0])
     """
-    if not isinstance(gradients, (list, tuple)):
-        gradients = [gradients]
-    counts = tally([sample(g) for g in gradients])[1:]
-    return tf.concat([tf.reshape(tf.cast(amax, tf.float32), [1]), counts], 0)
+    amaxes = tf.reshape(tf.cast(amaxes, tf.float32), [len(samples), 1])
+    return tf.concat([amaxes, tallies([list(s) for s in samples])[:, 1:]], 1)
 
 
 def statistics_of_tallies(tallies, underflow_rate) -> tuple:
@@ -461,7 +469,7 @@ def statistics_of_tallies(tallies, underflow_rate) -> tuple:
     the rows, no sort: the percentile is the lower edge of the exponent bin
     that holds the element of rank floor(rate * (nonzero - 1)).
 
-    >>> t = tally(tf.constant([0.0, 1.0, 2.0, 3.0, 4.0]))
+    >>> t = tallies([tf.constant([0.0, 1.0, 2.0, 3.0, 4.0])])[0]
     >>> stats, _ = statistics_of_tallies(tf.stack([t, t * 0.0]), 0.5)
     >>> stats.percentile.numpy(), stats.zero_fraction.numpy()
     (array([2., 0.], dtype=float32), array([0.2, 0. ], dtype=float32))

@@ -382,12 +382,13 @@ class Backward:
         graph = unscaled.traced_graph()
         if graph not in self._due:
             self._due[graph] = tf.convert_to_tensor(self.state.telemetry_next) > 0
-        return tf.cond(
-            self._due[graph],
-            lambda: rule.forward_headroom(outputs),
-            lambda: tf.zeros([2], tf.float32),
-            name="forward_headroom",
-        )
+        with _keras.unrecorded():  # Nothing differentiates a measurement.
+            return tf.cond(
+                self._due[graph],
+                lambda: rule.forward_headroom(outputs),
+                lambda: tf.zeros([2], tf.float32),
+                name="forward_headroom",
+            )
 
     def measure_forward(self) -> None:
         """At the end of a training forward pass: leaves each point's

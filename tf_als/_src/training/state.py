@@ -332,7 +332,7 @@ def record_vector(cumulative_scale, statistics, forward=None, axis=0):
     each into [points, record] rows).
 
     >>> statistics, _ = rule.statistics_of_tallies(
-    ...     rule.tally(tf.constant([0.0, 2.0]))[tf.newaxis], 0.01)
+    ...     rule.tallies([tf.constant([0.0, 2.0])]), 0.01)
     >>> stats = [field[0] for field in statistics]
     >>> record_vector(4.0, stats, (100.0, 0.0)).numpy().tolist()
     [4.0, 2.0, 2.0, 0.5, 0.0, 0.0, 100.0, 0.0]

@@ -15,8 +15,9 @@ optimizer calls `write_pass`, which
    gradient was exactly zero (`zero_gradient_steps`: one reduction over
    the amaxes the points measured anyway, no branch), which
    `silent` reads;
-3. on telemetry steps (every `telemetry_interval` steps), tallies each
-   point's sample of its incoming gradient (`rule.telemetry_tally`),
+3. on telemetry steps (every `telemetry_interval` steps), tallies every
+   point's sample of its incoming gradient at once
+   (`rule.telemetry_tallies`),
    derives the statistics and histograms of all points at once
    (`rule.statistics_of_tallies`), adds the forward headroom the
    forward pass measured (`backward.Backward.measure_forward`: the
@@ -87,11 +88,9 @@ def _telemetry_rows(records, forward, points, chosen, config):
     from their `PointRecord`s and `chosen` scales: the statistics of each
     incoming gradient's sample, and the forward headroom of each point's
     float16 outputs (a full pass over each: telemetry steps only)."""
-    tallies = tf.stack(
-        [
-            rule.telemetry_tally(list(records[p].samples), records[p].amax)
-            for p in points
-        ]
+    tallies = rule.telemetry_tallies(
+        [records[p].samples for p in points],
+        tf.stack([records[p].amax for p in points]),
     )
     statistics, histograms = rule.statistics_of_tallies(
         tallies, config.underflow_rate
