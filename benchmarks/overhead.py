@@ -1,8 +1,10 @@
 """What tf_als costs next to Keras's LossScaleOptimizer, measured side by side.
 
 For each model (a residual CNN, keras.applications ResNet50 at 32x32 and a
-KerasHub GPT-2 with a tiny config; `--models gpt2_mid` adds a 4-layer GPT-2
-of hidden size 256 on 128 tokens), with XLA off and on, one process
+KerasHub GPT-2 with a tiny config; `--models` adds `gpt2_mid`, a 4-layer
+GPT-2 of hidden size 256 on 128 tokens, `bert_base`, a KerasHub BERT of
+BERT-base's shape (12 layers, hidden size 768) on 32 tokens, and `unet`, a
+4-level U-Net at 64x64 with a sigmoid output), with XLA off and on, one process
 (`--worker`) builds three variants from the same weights and trains them
 with `fit` on the same synthetic batches:
 
@@ -46,7 +48,7 @@ ratios to Keras's median step:
 The timing is repeated under `tf.distribute.MirroredStrategy` over two
 logical CPU devices (XLA off; not for ResNet50, whose steps take seconds
 here), and a sweep shows how the cost grows with the number of scaling
-points (the residual CNN at 1, 4 and 16 blocks, XLA on).
+points (the residual CNN at 1, 4, 16 and 64 blocks, XLA on).
 Results go to `benchmarks/results/overhead.json` and `overhead.md`.
 
     python benchmarks/overhead.py                      # everything
@@ -79,7 +81,21 @@ SETTINGS = {
     ("gpt2", "on"): (None, 20, 3),
     ("gpt2_mid", "off"): (8, 10, 3),
     ("gpt2_mid", "on"): (8, 10, 3),
+    ("bert_base", "off"): (4, 6, 2),
+    ("bert_base", "on"): (4, 6, 2),
+    ("unet", "off"): (4, 10, 3),
+    ("unet", "on"): (8, 10, 3),
 }
+# A BERT-base-shaped encoder (12 layers, hidden size 768, 12 heads) at a
+# short sequence: the number and size of its points are BERT-base's, the
+# vocabulary is small so that the embedding does not dominate memory.
+BERT_BASE = dict(
+    vocabulary_size=2000, num_layers=12, num_heads=12, hidden_dim=768,
+    intermediate_dim=3072, max_sequence_length=32,
+)
+# The U-Net's input size (a 4-level U-Net, as in issue 39's report, made
+# small enough for this CPU).
+UNET_SIZE = 64
 # A mid-size GPT-2 (4 layers, hidden size 256, 128 tokens): tf_als's cost
 # per point is fixed, so its share of a step falls as the layers grow.
 GPT2_MID = dict(
@@ -90,6 +106,9 @@ GPT2_MID = dict(
 # LossScaleOptimizer applies one replica's inf gradient and its weights turn
 # inf (benchmarks/mirrored_gpt2.py), so Keras's side would time a broken run.
 MIRRORED = ("cnn",)
+# The residual CNN's blocks in the sweep of cost against points (two
+# convolutions and two BatchNormalizations a block: 7 to 259 points).
+SWEEP = (1, 4, 16, 64)
 VARIANTS = ("keras", "tf_als", "tf_als_1")
 
 
@@ -116,6 +135,44 @@ def residual_cnn(keras, blocks=4):
     return keras.Model(inputs, layers.Dense(10, dtype="float32")(x))
 
 
+def unet(keras, size=UNET_SIZE, levels=4, width=8):
+    """A U-Net for binary segmentation: `levels` levels of two 3x3
+    convolutions (ReLU) with max-pooling down and transposed convolutions
+    up, skip connections by concatenation, a float32 sigmoid output."""
+    layers = keras.layers
+    inputs = keras.Input((size, size, 3))
+    x, skips = inputs, []
+    for level in range(levels):
+        filters = width * 2**level
+        x = layers.Conv2D(filters, 3, padding="same", activation="relu")(x)
+        x = layers.Conv2D(filters, 3, padding="same", activation="relu")(x)
+        skips.append(x)
+        x = layers.MaxPooling2D()(x)
+    x = layers.Conv2D(width * 2**levels, 3, padding="same", activation="relu")(x)
+    for level in reversed(range(levels)):
+        filters = width * 2**level
+        x = layers.Conv2DTranspose(filters, 2, strides=2)(x)
+        x = layers.Concatenate()([x, skips[level]])
+        x = layers.Conv2D(filters, 3, padding="same", activation="relu")(x)
+        x = layers.Conv2D(filters, 3, padding="same", activation="relu")(x)
+    outputs = layers.Conv2D(1, 1, activation="sigmoid", dtype="float32")(x)
+    return keras.Model(inputs, outputs)
+
+
+def _token_classifier(keras, backbone, pooled, config, batch, rng, loss):
+    """(model, loss, x, y, batch size): a float32 10-class head on a
+    KerasHub backbone's `pooled` output, and a batch of random tokens for
+    every input the backbone takes (segment ids 0, no padding)."""
+    import numpy as np
+
+    model = keras.Model(backbone.input, keras.layers.Dense(10, dtype="float32")(pooled))
+    shape = (batch, config["max_sequence_length"])
+    x = {name: np.zeros(shape, "int32") for name in backbone.input}
+    x["token_ids"] = rng.integers(0, config["vocabulary_size"], size=shape).astype("int32")
+    x["padding_mask"] = np.ones(shape, "int32")
+    return model, loss, x, rng.integers(0, 10, size=(batch,)), batch
+
+
 def build(name, blocks, batch):
     """(model, loss, x, y, batch size) with random weights and data
     (GPT-2's batch is its test case's)."""
@@ -138,17 +195,18 @@ def build(name, blocks, batch):
 
         backbone = keras_hub.models.GPT2Backbone(dropout=0.0, **GPT2_MID)
         pooled = keras.layers.GlobalAveragePooling1D()(backbone(backbone.input))
-        model = keras.Model(
-            backbone.input, keras.layers.Dense(10, dtype="float32")(pooled)
-        )
-        length = GPT2_MID["max_sequence_length"]
-        x = {
-            "token_ids": rng.integers(
-                0, GPT2_MID["vocabulary_size"], size=(batch, length)
-            ).astype("int32"),
-            "padding_mask": np.ones((batch, length), "int32"),
-        }
-        return model, loss, x, rng.integers(0, 10, size=(batch,)), batch
+        return _token_classifier(keras, backbone, pooled, GPT2_MID, batch, rng, loss)
+    if name == "bert_base":
+        import keras_hub
+
+        backbone = keras_hub.models.BertBackbone(dropout=0.0, **BERT_BASE)
+        pooled = backbone(backbone.input)["pooled_output"]
+        return _token_classifier(keras, backbone, pooled, BERT_BASE, batch, rng, loss)
+    if name == "unet":
+        model = unet(keras)
+        x = rng.normal(size=(batch, UNET_SIZE, UNET_SIZE, 3)).astype("float32")
+        masks = (x.mean(axis=-1, keepdims=True) > 0).astype("float32")
+        return model, keras.losses.BinaryCrossentropy(), x, masks, batch
     if name == "resnet50":
         model = keras.applications.ResNet50(
             weights=None, input_shape=(32, 32, 3), classes=10, classifier_activation=None
@@ -391,6 +449,9 @@ def summarise(timed):
         "between_updates": between / keras_step,
         "update_step_extra": extra / between,
         "interval_1": every / keras_step,
+        # What each point adds to a step without telemetry, in microseconds:
+        # flat as the points grow, if the cost per point is.
+        "per_point_us": 1e6 * (between - keras_step) / max(timed["tf_als"]["points"], 1),
         "interval_10": (between + extra / 10) / keras_step,
         "interval_100": (between + extra / 100) / keras_step,
         "update_steps": len(updates),
@@ -418,6 +479,7 @@ COLUMNS = (
     ("keras_ms", "Keras step (ms)", "{:.1f}"),
     ("between_updates", "between updates", "{:.3f}"),
     ("update_step_extra", "update step extra (plain steps)", "{:.2f}"),
+    ("per_point_us", "extra per point (us)", "{:.0f}"),
     ("interval_1", "interval 1", "{:.3f}"),
     ("interval_10", "interval 10", "{:.3f}"),
     ("interval_100", "interval 100", "{:.3f}"),
@@ -513,7 +575,7 @@ def main():
             if model in MIRRORED:
                 measure(model, "off", strategy="mirrored", memory=False)
     if not args.no_sweep:
-        for blocks in (1, 4, 16):
+        for blocks in SWEEP:
             measure("cnn", "on", blocks=blocks, memory=False, label=f"cnn, {blocks} blocks")
 
     print("\n" + table(rows))
