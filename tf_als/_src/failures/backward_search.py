@@ -243,13 +243,12 @@ def _blame(calls, finite, y_pred, outputs_finite) -> Finding:
 
 
 def _amax(grads) -> float:
-    """The largest magnitude among `grads` (None entries left out), 0.0
-    when there are none."""
+    """`rule.amax_of` the gradients among `grads` (None entries left out,
+    an `IndexedSlices` by its values), as a float; 0.0 when there are
+    none."""
     values = [
-        tf.cast(tf.reduce_max(tf.abs(g.values if isinstance(g, tf.IndexedSlices) else g)), tf.float32)
+        g.values if isinstance(g, tf.IndexedSlices) else g
         for g in grads
         if g is not None
     ]
-    if not values:
-        return 0.0
-    return float(tf.reduce_max(tf.stack(values)))
+    return float(rule.amax_of(values)) if values else 0.0

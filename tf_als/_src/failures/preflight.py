@@ -164,7 +164,7 @@ def check(
     top = math.floor(math.log2(scale))
     while True:
         forward = backward_search.Forward(model.uninstrumented(), batch, loss_fn, training)
-        findings = _forward_failures(forward, training, loss_fn)
+        findings = _forward_failures(forward, loss_fn)
         at_top = None
         if not findings and loss_fn is not None:
             # Finite at the initial scale: finite below it too (a smaller
@@ -210,10 +210,10 @@ def forward_failures(
     module's docstring), and with `loss_fn`, of its loss; [] when none
     fails."""
     forward = backward_search.Forward(model, batch, loss_fn, training)
-    return _forward_failures(forward, training, loss_fn)
+    return _forward_failures(forward, loss_fn)
 
 
-def _forward_failures(forward, training, loss_fn) -> list:
+def _forward_failures(forward, loss_fn) -> list:
     """`forward_failures` of a `backward_search.Forward` (the float32
     re-runs leave the model as they found it)."""
     findings = []
