@@ -1,0 +1,140 @@
+"""Where tf_als's extra memory goes: the resident set of a fresh process per
+variant, with one piece of tf_als left out at a time.
+
+    python benchmarks/memory_parts.py --model gpt2_mid --xla on
+
+Each variant runs in its own process, built by `overhead.make` (the same
+model, batch and optimizer as `overhead.py`): one `fit` of one step (set-up:
+trace, compile, run), a second one, then one of `--steps` steps. Printed
+per variant, in MiB:
+
+- after set-up: the resident set after the first two `fit` calls (glibc
+  keeps what tracing and XLA's compiler freed, so this is close to the
+  set-up's high-water mark);
+- peak: the largest resident set seen, set-up included (`ru_maxrss`);
+- after trim: the resident set once `malloc_trim(0)` has handed the free
+  heap pages back: what stays live.
+
+Variants (the pieces are left out by replacing private functions of tf_als
+in the benchmark's process: a measurement, not an option of the library):
+
+- `keras`: Keras's `LossScaleOptimizer` on the plain model;
+- `tf_als`: as shipped;
+- `no_check`: without the first-batch check;
+- `no_forward`: without the per-point forward-headroom branches
+  (`Backward._measure_forward` returns zeros);
+- `no_telemetry`: without the telemetry branch of the optimizer's `apply`
+  (`update.write_pass` writes the scales and the zero-gradient count only);
+- `neither`: without both.
+"""
+
+import argparse
+import ctypes
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+VARIANTS = ("keras", "tf_als", "no_check", "no_forward", "no_telemetry", "neither")
+
+
+def _leave_out(variant):
+    """Replaces the pieces `variant` leaves out, before the model is made."""
+    import tensorflow as tf
+
+    from tf_als._src.training import backward
+    from tf_als._src.training import update
+
+    if variant in ("no_forward", "neither"):
+        backward.Backward._measure_forward = lambda self, outputs: tf.zeros([2])
+    if variant in ("no_telemetry", "neither"):
+
+        def scales_only(model, step, keep, telemetry_due, config):
+            records = model.pass_record.latest()
+            if not records:
+                return
+            state = model.scaling_state
+            points = sorted(records)
+            rows = tf.constant([[p] for p in points], tf.int32)
+            chosen = tf.stack([records[p].scale for p in points])
+            current = tf.convert_to_tensor(state.scales)
+            state.scales.assign(
+                tf.where(keep, tf.tensor_scatter_nd_update(current, rows, chosen), current)
+            )
+            amaxes = tf.stack([records[p].amax for p in points])
+            update.count_zero_gradients(state, amaxes)
+
+        update.write_pass = scales_only
+
+
+def worker(args):
+    import warnings
+
+    warnings.simplefilter("ignore")
+    import tensorflow as tf
+
+    import overhead
+
+    if args.variant not in ("keras", "tf_als", "no_check"):
+        _leave_out(args.variant)
+    variant = "keras" if args.variant == "keras" else "tf_als"
+    batch = overhead.SETTINGS[(args.model, args.xla)][0]
+    model, x, y, batch = overhead.make(
+        variant, args.model, args.xla == "on", args.steps, 4,
+        tf.distribute.get_strategy(), batch,
+    )
+    if args.variant == "no_check":
+        object.__setattr__(model.optimizer, "preflight", lambda *a, **k: ((), None))
+    start = time.perf_counter()
+    model.fit(overhead.dataset(x, y, batch, 1), epochs=1, verbose=0)
+    setup = time.perf_counter() - start
+    model.fit(overhead.dataset(x, y, batch, 1), epochs=1, verbose=0)
+    after_setup = overhead._rss_mib()
+    model.fit(overhead.dataset(x, y, batch, args.steps), epochs=1, verbose=0)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return dict(
+        variant=args.variant, setup=setup, after_setup=after_setup, peak=peak,
+        trimmed=overhead._rss_mib(),
+    )
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt2_mid")
+    parser.add_argument("--xla", default="on", choices=("on", "off"))
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variant", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.variant:
+        print(json.dumps(worker(args)))
+        return
+    print(f"{args.model}, XLA {args.xla}: resident set (MiB), one fresh process each")
+    print("| variant | set-up (s) | after set-up | peak | after trim | peak - Keras's |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    keras_peak = None
+    for variant in args.variants.split(","):
+        if variant not in VARIANTS:
+            parser.error(f"--variants: {variant!r} is not one of {', '.join(VARIANTS)}")
+        result = subprocess.run(
+            [sys.executable, __file__, "--variant", variant, "--model", args.model,
+             "--xla", args.xla, "--steps", str(args.steps)],
+            capture_output=True, text=True, check=True,
+        )
+        row = json.loads(result.stdout.strip().splitlines()[-1])
+        keras_peak = row["peak"] if variant == "keras" else keras_peak
+        extra = "-" if keras_peak is None else f"{row['peak'] - keras_peak:+.0f}"
+        print(
+            f"| {variant} | {row['setup']:.1f} | {row['after_setup']:.0f} | "
+            f"{row['peak']:.0f} | {row['trimmed']:.0f} | {extra} |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
