@@ -24,7 +24,7 @@ in the benchmark's process: a measurement, not an option of the library):
 - `no_forward`: without the per-point forward-headroom branches
   (`Backward._measure_forward` returns zeros);
 - `no_telemetry`: without the telemetry branch of the optimizer's `apply`
-  (`update.write_pass` writes the scales and the zero-gradient count only);
+  (`update.write_telemetry` does nothing);
 - `neither`: without both.
 """
 
@@ -52,23 +52,7 @@ def _leave_out(variant):
     if variant in ("no_forward", "neither"):
         backward.Backward._measure_forward = lambda self, outputs: tf.zeros([2])
     if variant in ("no_telemetry", "neither"):
-
-        def scales_only(model, step, keep, telemetry_due, config):
-            records = model.pass_record.latest()
-            if not records:
-                return
-            state = model.scaling_state
-            points = sorted(records)
-            rows = tf.constant([[p] for p in points], tf.int32)
-            chosen = tf.stack([records[p].scale for p in points])
-            current = tf.convert_to_tensor(state.scales)
-            state.scales.assign(
-                tf.where(keep, tf.tensor_scatter_nd_update(current, rows, chosen), current)
-            )
-            amaxes = tf.stack([records[p].amax for p in points])
-            update.count_zero_gradients(state, amaxes)
-
-        update.write_pass = scales_only
+        update.write_telemetry = lambda *args: None
 
 
 def worker(args):
@@ -79,8 +63,7 @@ def worker(args):
 
     import overhead
 
-    if args.variant not in ("keras", "tf_als", "no_check"):
-        _leave_out(args.variant)
+    _leave_out(args.variant)
     variant = "keras" if args.variant == "keras" else "tf_als"
     batch = overhead.SETTINGS[(args.model, args.xla)][0]
     model, x, y, batch = overhead.make(

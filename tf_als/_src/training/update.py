@@ -65,6 +65,17 @@ def write_pass(model, step, keep, telemetry_due, config) -> None:
         tf.where(keep, tf.tensor_scatter_nd_update(current, rows, chosen), current)
     )
     count_zero_gradients(state, tf.stack([records[p].amax for p in points]))
+    write_telemetry(model, records, rows, chosen, step, telemetry_due, config)
+
+
+def write_telemetry(model, records, rows, chosen, step, telemetry_due, config) -> None:
+    """`write_pass`'s telemetry: when `telemetry_due`, the records,
+    histograms and last-update steps of the points in `records` (their
+    `PointRecord`s by point index; `rows`, the sorted indices as
+    [points, 1]), which applied `chosen` ([points] scales), in one branch
+    for the whole model."""
+    state = model.scaling_state
+    points = sorted(records)
     forward = model.pass_record.latest_forward()
 
     def telemetry():
