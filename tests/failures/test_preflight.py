@@ -251,3 +251,60 @@ def test_float16_outputs_warn_in_a_custom_loop_not_in_fit():
     assert not [w for w in caught if "float16 outputs" in str(w.message)]
     with pytest.warns(UserWarning, match="hands its training code float16 outputs \\('out'\\)"):
         model(x, training=True)
+
+
+def _spectral_model():
+    """A `SpectralNormalization` Dense, which in training mode assigns its
+    own kernel (divided by its spectral norm) and power-iteration vector
+    `vector_u` in `call`, then a plain Dense."""
+    inputs = keras.Input((6,))
+    x = layers.SpectralNormalization(layers.Dense(5), name="spectral")(inputs)
+    return keras.Model(inputs, layers.Dense(1, name="out")(x))
+
+
+def _spectral_step(variant, weights, x, y):
+    """The spectral layer's `vector_u` and kernel after one `fit` step of
+    `variant` from `weights`."""
+    model = _spectral_model()
+    model.set_weights(weights)
+    if variant == "keras":
+        optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    else:
+        model = tf_als.instrument(model)
+        optimizer = tf_als.AdaptiveLossScaleOptimizer(
+            keras.optimizers.SGD(0.1), promote_on_storm=variant == "tf_als"
+        )
+    model.compile(optimizer, "mse")
+    model.fit(x, y, batch_size=len(x), epochs=1, verbose=0)
+    spectral = model.get_layer("spectral")
+    return np.array(spectral.vector_u), np.array(spectral.layer.kernel)
+
+
+def test_the_check_leaves_every_variable_as_it_found_it():
+    """The check runs the batch forward in training mode, where a
+    `SpectralNormalization` layer assigns its kernel and `vector_u`. Both
+    come out of the check bitwise as they went in, so the first step
+    starts where Keras's does: `vector_u` after one step is Keras's
+    exactly (it depends on the forward pass only), and the kernel is
+    that of tf_als without the check (`promote_on_storm=False`), exactly
+    (the same step from the same weights; Keras's own kernel differs from
+    it by its gradient's float16 rounding under other scales)."""
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 6)).astype("float32")
+    y = rng.normal(size=(8, 1)).astype("float32")
+    model = tf_als.instrument(_spectral_model())
+    weights = model.get_weights()
+    before = [np.array(v) for v in model.variables]
+    outcome = preflight.check(model, (x, y, None), _mean_squared, 2.0**15, step=0)
+    assert outcome.promotions == () and outcome.scale == 2.0**15
+    for variable, value in zip(model.variables, before):
+        np.testing.assert_array_equal(np.array(variable), value, err_msg=variable.path)
+
+    keras_u, _ = _spectral_step("keras", weights, x, y)
+    checked_u, checked_kernel = _spectral_step("tf_als", weights, x, y)
+    unchecked_u, unchecked_kernel = _spectral_step("unchecked", weights, x, y)
+    assert not np.array_equal(keras_u, np.array(model.get_layer("spectral").vector_u))
+    np.testing.assert_array_equal(checked_u, keras_u)
+    np.testing.assert_array_equal(checked_u, unchecked_u)
+    np.testing.assert_array_equal(checked_kernel, unchecked_kernel)

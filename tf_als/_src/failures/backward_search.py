@@ -71,7 +71,7 @@ class Forward:
 
         self._tape = tf.GradientTape(persistent=True) if loss_fn else None
         self.loss = None
-        with nonfinite.preserved(model.non_trainable_variables):
+        with nonfinite.preserved(model.variables):
             with self._tape or contextlib.nullcontext():
                 with _keras.layer_calls(observe):
                     self.y_pred = model(x, training=training)

@@ -35,7 +35,7 @@ def first_non_finite(model: keras.Model, x, training: bool = True) -> Optional[F
             return
         found.append(Finding(nonfinite.layer_path(layer), nonfinite.FORWARD_OUTPUT))
 
-    with nonfinite.preserved(model.non_trainable_variables):
+    with nonfinite.preserved(model.variables):
         with _keras.layer_calls(check):
             model(x, training=training)
     return found[0] if found else None

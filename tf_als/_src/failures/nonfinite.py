@@ -123,9 +123,13 @@ def all_finite(structure) -> bool:
 @contextlib.contextmanager
 def preserved(variables):
     """Within this block the `variables` may change; on leaving, they hold
-    their old values again. An eager diagnostic re-run of a training batch
-    keeps BatchNormalization's moving statistics and the dropout seeds as
-    training left them."""
+    their old values again. An eager diagnostic re-run of a training batch,
+    given a model's `variables`, leaves every one as training left them:
+    BatchNormalization's moving statistics, the dropout seeds, and the
+    weights a layer assigns in its own `call` (`SpectralNormalization`
+    normalises its kernel and advances its power iteration's `vector_u`).
+    Saving costs no copy: a read of a variable is a snapshot that an
+    assignment does not overwrite."""
     saved = [(v, keras.ops.copy(v.value)) for v in variables]
     try:
         yield

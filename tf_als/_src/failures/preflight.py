@@ -5,8 +5,10 @@ real batch, and the global loss scale a step can apply with.
 first step; `AdaptiveLossScaleOptimizer.check_skips` runs it in a custom
 loop that hands it batches and the loss, and after every promotion made on
 a storm of skipped steps. All of it is eager, on the plain layers, and
-leaves the model's state (BatchNormalization statistics, seeds) as it
-found it:
+leaves every variable of the model as it found it (BatchNormalization's
+statistics, seeds, and weights a layer assigns in its own `call`, as
+`SpectralNormalization` does), so the first step starts where Keras's
+would:
 
 1. **Forward.** The batch runs once in the model's precision; then every
    leaf layer with weights that computes in float16 runs again in float32
@@ -217,7 +219,7 @@ def _forward_failures(forward, loss_fn) -> list:
     """`forward_failures` of a `backward_search.Forward` (the float32
     re-runs leave the model as they found it)."""
     findings = []
-    with nonfinite.preserved(forward.model.non_trainable_variables):
+    with nonfinite.preserved(forward.model.variables):
         for layer, arguments, outputs in forward.calls:
             if _checked(layer):
                 reason = _stray(layer, arguments, outputs)

@@ -281,16 +281,16 @@ class _Batch(NamedTuple):
 
 @contextlib.contextmanager
 def _same_randomness(model):
-    """Yields `rewind()`, which puts `model`'s non-trainable variables (the
-    `SeedGenerator` states of its dropout, noise and augmentation layers,
-    moving statistics) and Keras's global seed state back to their values
-    on entry. Within the block random draws are made in float32
+    """Yields `rewind()`, which puts `model`'s variables (the `SeedGenerator`
+    states of its dropout, noise and augmentation layers, moving
+    statistics, weights a layer assigns in its own `call`) and Keras's
+    global seed state back to their values on entry. Within the block random draws are made in float32
     (`_keras.float32_random_draws`): with the same seed state a float16
     dropout keeps other units than a float32 one, and GPT-2's worst
     gradient error read ~100% from the masks alone. On exit the variables
     hold their entry values."""
     with _keras.global_seed_state() as global_seed, _keras.float32_random_draws():
-        variables = list(model.non_trainable_variables) + [global_seed]
+        variables = list(model.variables) + [global_seed]
         saved = [(v, keras.ops.copy(v.value)) for v in variables]
 
         def rewind():
