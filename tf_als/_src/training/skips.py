@@ -106,6 +106,14 @@ def streak(optimizer) -> int:
     return int(keras.ops.convert_to_numpy(optimizer.consecutive_skips))
 
 
+def skipped_lately(optimizer) -> bool:
+    """Whether a step of the current window was skipped, now (eager; one
+    read). False means no streak either: a skip counts in the window it
+    ends, and a window starts afresh only with the step that follows a
+    full one."""
+    return int(keras.ops.convert_to_numpy(optimizer.window_skips)) > 0
+
+
 def stops(optimizer) -> bool:
     """Whether the streak reached `max_consecutive_skips` (a storm)."""
     limit = optimizer.max_consecutive_skips
