@@ -105,7 +105,7 @@ def _zero_gradients(model, watch) -> list:
     `ZERO_GRADIENT_STEPS`."""
     if watch.warned_zero:
         return []
-    steps = int(keras.ops.convert_to_numpy(model.scaling_state.zero_gradient_steps))
+    steps = int(model.scaling_state.zero_gradient_steps.numpy())
     if steps < ZERO_GRADIENT_STEPS:
         return []
     watch.warned_zero = True
@@ -140,7 +140,7 @@ def _near_max(model, watch) -> list:
     state, points = model.scaling_state, model.point_records
     if len(watch.warned_points) == len(points):
         return []
-    last = keras.ops.convert_to_numpy(state.last_updates)
+    last = state.last_updates.numpy()
     if watch.last_updates is not None and np.array_equal(last, watch.last_updates):
         return []
     watch.last_updates = last
