@@ -27,6 +27,9 @@ ratios to Keras's median step:
   its median step without one, in units of the latter (the first such step
   a process runs in a compiled function without XLA also instantiates the
   statistics functions, an outlier the median leaves out);
+- its spread: a 90% interval of that ratio, from 2000 bootstrap resamples
+  of both variants' timed steps (a row whose interval is wider than 3% did
+  not have the rounds to resolve the goal);
 - interval 1: tf_als_1's median step (measured);
 - interval 10 and 100: (between + update extra / interval), implied by the
   two measured numbers above;
@@ -435,6 +438,21 @@ def _mean(values):
     return float(np.mean(list(values)))
 
 
+def _ratio_interval(numerator, denominator, resamples=2000, seed=0):
+    """(5th, 95th) percentile of median(numerator) / median(denominator)
+    over bootstrap resamples of each list of step times."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    top, bottom = np.asarray(numerator), np.asarray(denominator)
+    ratios = [
+        np.median(rng.choice(top, top.size)) / np.median(rng.choice(bottom, bottom.size))
+        for _ in range(resamples)
+    ]
+    low, high = np.percentile(ratios, [5, 95])
+    return float(low), float(high)
+
+
 def summarise(timed):
     """Ratios to Keras's median step (see the module docstring)."""
     keras_step = _median(s for s, _ in timed["keras"]["steps"])
@@ -447,6 +465,10 @@ def summarise(timed):
         "points": timed["tf_als"]["points"],
         "keras_ms": 1e3 * keras_step,
         "between_updates": between / keras_step,
+        "between_updates_interval": _ratio_interval(
+            [s for s, update in als if not update],
+            [s for s, _ in timed["keras"]["steps"]],
+        ),
         "update_step_extra": extra / between,
         "interval_1": every / keras_step,
         # What each point adds to a step without telemetry, in microseconds:
@@ -478,6 +500,7 @@ COLUMNS = (
     ("points", "points", "{:d}"),
     ("keras_ms", "Keras step (ms)", "{:.1f}"),
     ("between_updates", "between updates", "{:.3f}"),
+    ("between_updates_interval", "its 90% interval", "{0[0]:.3f}-{0[1]:.3f}"),
     ("update_step_extra", "update step extra (plain steps)", "{:.2f}"),
     ("per_point_us", "extra per point (us)", "{:.0f}"),
     ("interval_1", "interval 1", "{:.3f}"),
