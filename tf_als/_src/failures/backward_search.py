@@ -81,6 +81,7 @@ class Forward:
                     )
         self._found = {}  # scale -> Finding or None
         self._amax = {}  # scale -> float16 amax of a finite backward pass
+        self._gains = {}  # scale -> {id(layer): gain} of a finite one
 
     def at(self, scale: float) -> Optional[Finding]:
         """Where the gradients of `scale` times the loss turn non-finite
@@ -101,6 +102,17 @@ class Forward:
         if not amax:
             return None
         return scale * 2.0 ** math.floor(math.log2(rule.FLOAT16_MAX / amax))
+
+    def gains(self) -> dict:
+        """`{id(layer): gain}` of the leaf layers that compute in float16
+        and have weights, from the largest scale `at` found finite: the
+        amax of the layer's weight gradients over the amax of its output
+        gradients (the largest over its calls), the ratio a scaling point
+        of that layer measures on every step (`update.write_gains`);
+        a ratio of two gradients of one pass, so whatever the scale.
+        Empty before a finite `at`."""
+        finite = [scale for scale, found in self._found.items() if found is None]
+        return dict(self._gains[max(finite)]) if finite else {}
 
     def _float16_weights(self) -> set:
         """The ids of the variables of the leaf layers that compute in
@@ -136,18 +148,43 @@ class Forward:
         }
         if all(finite.values()):
             halves = self._float16_weights()
-            self._amax[scale] = _amax(
-                [g for t, g in zip(tensors, grads) if t.dtype == tf.float16]
-                + [g for w, g in zip(weights, grads[len(tensors) :]) if id(w) in halves]
-                + [g for t, g in zip(model_outputs, grads[-len(model_outputs) :])
+            # One amax per distinct tensor (a call's output is the next
+            # call's input): their largest, and the layers' gains.
+            amaxes = {}
+            pairs = (
+                [(t, g) for t, g in zip(tensors, grads) if t.dtype == tf.float16]
+                + [(w, g) for w, g in zip(weights, grads[len(tensors) :]) if id(w) in halves]
+                + [(t, g) for t, g in zip(model_outputs, grads[-len(model_outputs) :])
                    if t.dtype == tf.float16]
             )
+            for t, g in pairs:
+                if id(t) not in amaxes:
+                    amaxes[id(t)] = _amax([g])
+            self._amax[scale] = max(amaxes.values(), default=0.0)
+            self._gains[scale] = self._gains_of(amaxes, halves)
             return None
         outputs_finite = [
             nonfinite.all_finite(g) for g in grads[len(tensors) + len(weights) :]
         ]
         calls = [(layer, *f) for (layer, _, _), f in zip(self.calls, floats)]
         return _blame(calls, finite, model_outputs, outputs_finite)
+
+    def _gains_of(self, amaxes, halves) -> dict:
+        """`gains`' values from the amaxes of one finite pass (by tensor and
+        weight id; `halves`: the ids of the float16 leaf layers' weights)."""
+        received, produced = {}, {}
+        for layer, _, outputs in self.calls:
+            weights = [id(w) for w in layer.trainable_weights if id(w) in halves]
+            outs = [amaxes.get(id(o), 0.0) for o in nonfinite.floats(outputs)]
+            if not weights or not outs:
+                continue
+            received[id(layer)] = max(received.get(id(layer), 0.0), *outs)
+            produced[id(layer)] = max(amaxes.get(w, 0.0) for w in weights)
+        return {
+            layer: produced[layer] / amax
+            for layer, amax in received.items()
+            if amax > 0.0
+        }
 
 
 def first_non_finite_gradient(

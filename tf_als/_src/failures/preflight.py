@@ -90,11 +90,15 @@ class Outcome:
             finite at any scale, or the loss itself is not).
         stopped: why a failure was left unpromoted (the cap, or a failure
             no promotion can help), or None.
+        gains: `{id(layer): gain}` measured where the scale was chosen
+            (`backward_search.Forward.gains`), for the scaling points'
+            first step; empty when no scale was.
     """
 
     promotions: tuple
     scale: Optional[float]
     stopped: Optional[str]
+    gains: dict = dataclasses.field(default_factory=dict)
 
 
 def run(
@@ -110,18 +114,21 @@ def run(
     on the first batch when none had one (None without `loss_fn`). The
     batches that pass cost a forward pass, the float32 re-runs and one
     backward pass each (three when the initial scale overflows)."""
-    chosen, first = None, True
+    chosen, gains, first = None, {}, True
     for batch in batches:
         outcome = check(model, batch, loss_fn, scale, step, choose=choose and first)
         if outcome.promotions and outcome.scale is None and loss_fn is not None:
             # Stopped after a promotion: S for the model as it was left.
             forward = backward_search.Forward(model.uninstrumented(), batch, loss_fn)
-            outcome = dataclasses.replace(outcome, scale=largest_finite_scale(forward, scale))
+            outcome = dataclasses.replace(
+                outcome, scale=largest_finite_scale(forward, scale), gains=forward.gains()
+            )
         if outcome.promotions or outcome.stopped is not None:
             return outcome
-        chosen = outcome.scale if first else chosen
+        if first:
+            chosen, gains = outcome.scale, outcome.gains
         first = False
-    return Outcome((), chosen, None)
+    return Outcome((), chosen, None, gains)
 
 
 def check(
@@ -186,7 +193,8 @@ def check(
         chosen = None
         if (choose or made) and loss_fn is not None:
             chosen = 2.0**top if at_top is None else largest_finite_scale(forward, scale)
-        return Outcome(tuple(made), chosen, None)
+        gains = forward.gains() if chosen is not None else {}
+        return Outcome(tuple(made), chosen, None, gains)
 
 
 def _taken_back(model, made, previous, finding) -> Outcome:

@@ -122,6 +122,7 @@ class Recovery:
             model.forget_traces()  # The promoted layers trace in float32.
         if outcome.promotions or first:
             self.restart(optimizer, model, outcome.scale)
+            _calibrate_gains(model, outcome.gains)
         return outcome.promotions, outcome.stopped
 
     def restart(self, optimizer, model, scale) -> None:
@@ -250,3 +251,21 @@ def _batch_mean_loss(loss):
         return tf.reduce_mean(tf.cast(value, tf.float32))
 
     return loss_fn
+
+
+def _calibrate_gains(model, gains) -> None:
+    """Writes the gains the check measured (`{id(layer): gain}`) into the
+    rows of the scaling points of those layers, so that the first step's
+    scales keep the weight gradients within float16 already; the other
+    rows keep theirs."""
+    rows = {
+        point.index: gains[id(point.layer)]
+        for point in model.point_records
+        if id(point.layer) in gains
+    }
+    if not rows:
+        return
+    current = keras.ops.convert_to_numpy(model.scaling_state.gains).copy()
+    for index, gain in rows.items():
+        current[index] = gain
+    model.scaling_state.gains.assign(current)

@@ -15,9 +15,11 @@ same multiply where a variable's whole gradient is one call's product
 
 Each point chooses its scale inside its gradient function, from the
 gradient it is about to scale (`rule.amax_of`, `rule.headroom` once per
-pass, `rule.scale_within`: the rule's own functions, with the knobs of the model's `config.ScalingConfig` and the global
-scale's back-off from its state): one max-reduction and a few scalar ops
-per point, no branch, and no variable written. What it chose and a sample
+pass, `rule.judged_amax` with the gain its weight gradients showed on the
+last step, `rule.scale_within`: the rule's own functions, with the knobs
+of the model's `config.ScalingConfig` and the global scale's back-off and
+the gains from its state): one max-reduction and a few scalar ops per
+point, no branch, and no variable written. What it chose and a sample
 of what it saw go to the model's `pass_record.PassRecord`, which the
 optimizer that applies the gradients writes into the state, with the
 forward headroom of the point's float16 outputs (measured in a branch of
@@ -86,6 +88,7 @@ class Backward:
         self._used = {}  # point -> scale used in this pass
         self._input_scales = {}  # point -> T its input gradients carry
         self._limits = {}  # graph (None: eager) -> the pass's headroom
+        self._gain_rows = {}  # graph (None: eager) -> the state's gains
         self._forward = {}  # point -> its forward headroom, [2]
         self._due = {}  # graph (None: eager) -> whether it is a telemetry step
 
@@ -332,6 +335,14 @@ class Backward:
             g if id(v) in handled else self.unscaled.unscale(g, factor)
             for v, g in zip(variables, grads[len(xs) :])
         ]
+        if any(y.dtype == tf.float16 for y in ys):  # Sums that can overflow.
+            self.record.put_products(
+                point,
+                tuple(
+                    g for v, g in zip(variables, variable_grads)
+                    if id(v) not in handled and g is not None
+                ),
+            )
         return grads[: len(xs)], variable_grads
 
     def _scale(self, point, upstream, scale_out):
@@ -365,8 +376,11 @@ class Backward:
             due = tf.convert_to_tensor(self.state.due) > 0
             scale = tf.cond(due, update, lambda: current)
         else:
+            judged = rule.judged_amax(
+                amax, tf.gather(self._gains(), point), config.overflow_margin
+            )
             scale = rule.scale_within(
-                amax, self._headroom(), config.max_layer_scale, scale_out
+                judged, self._headroom(), config.max_layer_scale, scale_out
             )
         samples = tuple(rule.sample(dy) for dy in upstream)
         self.record.put(point, pass_record.PointRecord(scale, scale_out, amax, samples))
@@ -397,6 +411,14 @@ class Backward:
         if self._forward:
             self.record.put_forward(dict(self._forward))
         self._forward = {}
+
+    def _gains(self):
+        """The points' gains (`state.gains`, what their last step's weight
+        gradients measured), read once per graph."""
+        graph = unscaled.traced_graph()
+        if graph not in self._gain_rows:
+            self._gain_rows[graph] = tf.convert_to_tensor(self.state.gains)
+        return self._gain_rows[graph]
 
     def _headroom(self):
         """`rule.headroom` of this pass, read once per graph (every

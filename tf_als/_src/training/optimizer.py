@@ -170,19 +170,25 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             handoff.warn_not_instrumented(self)
         handoff.receive(self, models)
         step, telemetry_due, updates = handoff.before_apply(self)
+        scale = tf.convert_to_tensor(self.dynamic_scale)  # This step's S.
         own = self._divide_by_scale(list(grads), variables, models)
-        # One finiteness pass per gradient, shared by the agreement between
-        # replicas, Keras's check (`check_finite`) and the first-skip record.
-        flags = replicas.finite_flags(own)
+        # One read per gradient, its amax: the points' gains, and the
+        # finiteness flags shared by the agreement between replicas, Keras's
+        # check (`check_finite`) and the first-skip record.
+        amaxes = replicas.amaxes(own)
+        flags = replicas.flags_of(amaxes)
         self._checked = (own, flags)
         try:
             super().apply(replicas.agree(list(own), flags), trainable_variables)
         finally:
             self._checked = None
         skips.record_first_skip(self, flags)  # This replica's own, unpoisoned.
+        # By the gradient as the backward pass handed it over (`unscaled`).
+        produced = {id(g): a for g, a in zip(grads, amaxes) if g is not None}
         for model in models:
             keep = tf.logical_and(replicas.all_true(flags), updates)
             update.write_pass(model, step, keep, telemetry_due, self.scaling_config)
+            update.write_gains(model, produced, scale)
             handoff.schedule(self, model)
         if tf.executing_eagerly() and not self._recovery.loop_checks:
             self.check_skips()

@@ -31,12 +31,17 @@ class PointRecord(NamedTuple):
         amax: float32 scalar, the incoming gradient's amax.
         samples: the `rule.sample` of each incoming gradient, for
             the telemetry (tallied on telemetry steps only).
+        products: the weight gradients the point's own backward pass
+            produced and unscaled (not an inner point's), for its gain
+            (`update.write_gains`): the very tensors an optimizer receives
+            where a variable's whole gradient is one of them.
     """
 
     scale: tf.Tensor
     scale_out: tf.Tensor
     amax: tf.Tensor
     samples: tuple
+    products: tuple = ()
 
 
 class PassRecord:
@@ -66,6 +71,12 @@ class PassRecord:
         """Records `point`'s choice (a later pass in the same graph, such as
         the outer gradient after a gradient penalty's, replaces it)."""
         self._current(create=True)[point] = record
+
+    def put_products(self, point: int, products: tuple) -> None:
+        """Adds the weight gradients `point` produced to its record (its
+        backward pass computes them after it chose)."""
+        current = self._current(create=True)
+        current[point] = current[point]._replace(products=tuple(products))
 
     def latest(self) -> dict:
         """The records of the graph being traced (eagerly: the latest

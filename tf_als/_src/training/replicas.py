@@ -1,17 +1,21 @@
 """Whether a step's gradients are finite, and every replica skipping the
 same steps.
 
-`AdaptiveLossScaleOptimizer.apply` computes one finiteness flag per
-gradient (`finite_flags`) and shares it three ways: the agreement between
-replicas (`agree`), Keras's check (`check_finite`, which reuses the flags
-computed for the very same tensors, `flags_for`) and the record of a
-skipped step (`skips.record_first_skip`).
+`AdaptiveLossScaleOptimizer.apply` reads each gradient once, for its amax
+(`amaxes`: a gradient is finite when its amax is, `flags_of`). The amaxes
+give the points' gains (`update.write_gains`); the flags are shared three
+ways: the agreement between replicas (`agree`), Keras's check
+(`check_finite`, which reuses the flags computed for the very same
+tensors, `flags_for`) and the record of a skipped step
+(`skips.record_first_skip`).
 
 >>> [bool(f) for f in finite_flags([tf.constant([1.0, float("inf")]), None])]
 [False, True]
 """
 
 import tensorflow as tf
+
+from tf_als._src.scaling import rule
 
 
 def all_finite(gradient) -> tf.Tensor:
@@ -26,6 +30,26 @@ def all_finite(gradient) -> tf.Tensor:
     if isinstance(gradient, tf.IndexedSlices):
         gradient = gradient.values
     return tf.reduce_all(tf.math.is_finite(gradient))
+
+
+def amaxes(grads) -> list:
+    """The amax of each gradient of `grads` (`rule.amax_of`, float32; a
+    sparse gradient's values'; 0 for None): one read of each. inf or NaN
+    when the gradient is not finite.
+
+    >>> [float(a) for a in amaxes([tf.constant([1.0, -3.0]), None])]
+    [3.0, 0.0]
+    """
+    return [
+        tf.constant(0.0) if g is None
+        else rule.amax_of(g.values if isinstance(g, tf.IndexedSlices) else g)
+        for g in grads
+    ]
+
+
+def flags_of(amaxes_) -> list:
+    """Whether each gradient is finite, from its amax (`amaxes`)."""
+    return [tf.math.is_finite(a) for a in amaxes_]
 
 
 def finite_flags(grads) -> list:

@@ -31,15 +31,16 @@ RECORD_FIELDS = ("cumulative_scale",) + rule.GradientStatistics._fields + FORWAR
 # The variables, in the order they are created (and saved).
 VARIABLES = (
     "scales", "records", "histograms", "last_updates", "due", "backoff",
-    "zero_gradient_steps", "telemetry_next",
+    "zero_gradient_steps", "telemetry_next", "gains",
 )
 # Older `.keras` layouts: each variable's name by position (None: since
-# removed). 0.4 saved seven variables (no `telemetry_next`); 0.3 six (no
+# removed). 0.5 saved eight variables (no `gains`); 0.4 seven (no `telemetry_next`); 0.3 six (no
 # `zero_gradient_steps`); 0.2 six too, its last two the per-point
 # measurement rows and their step counts (no `due`, no `backoff`); and
 # main between 0.2 and 0.3 seven, the measurement rows, a pending flag per
 # point and `due`. 0.2 and 0.3 saved records of `_OLD_RECORD_FIELDS`
 # columns (no forward headroom).
+_LAYOUT_0_5 = VARIABLES[:8]
 _LAYOUT_0_4 = VARIABLES[:7]
 _LAYOUT_0_3 = VARIABLES[:6]
 _LAYOUT_0_2 = ("scales", "records", "histograms", "last_updates", None, None)
@@ -91,6 +92,13 @@ class ScalingState(keras.layers.Layer):
     - `telemetry_next`: int64 scalar, 1 when the coming step is a telemetry
       step (the optimizer writes it after each step, as `due`): the forward
       pass measures its outputs' headroom then.
+    - `gains`: float32 `[points]`, how much larger each point's weight
+      gradients came out than the gradient it received, in true units
+      (their amax over the received amax), on its last step; inf when a
+      weight gradient was not finite while the received one was, 0 until
+      measured. The point's next scale keeps its weight gradients within
+      float16 (`rule.judged_amax`); the optimizer writes it after each
+      step (`update.write_gains`), the first-batch check before the first.
 
     The scales are chosen inside the backward pass, each from the
     gradient it is applied to; the `apply` of an optimizer applying the
@@ -141,6 +149,7 @@ class ScalingState(keras.layers.Layer):
             "zero_gradient_steps", np.zeros([], np.int32)
         )
         self.telemetry_next = self._state("telemetry_next", np.ones([], np.int64))
+        self.gains = self._state("gains", np.zeros([points], np.float32))
         self.built = True
 
     def _state(self, name, initial):
@@ -174,9 +183,10 @@ class ScalingState(keras.layers.Layer):
         return ScalingPoint(self, index)
 
     def load_own_variables(self, store):
-        """Loads the variables a `.keras` file saved. Files of 0.2-0.4 load
+        """Loads the variables a `.keras` file saved. Files of 0.2-0.5 load
         too: what they lack keeps its initial value (back-off 1, forward
-        columns 0, no zero-gradient steps, telemetry due)."""
+        columns 0, no zero-gradient steps, telemetry due, gains not
+        measured)."""
         layout = _old_layout(store)
         if layout is None:
             super().load_own_variables(store)
@@ -348,8 +358,10 @@ def record_vector(cumulative_scale, statistics, forward=None, axis=0):
 
 def _old_layout(store):
     """The layout (`_LAYOUT_0_2`...) of a `ScalingState` saved by tf_als
-    0.2-0.4 in `store`; None for today's (eight variables)."""
+    0.2-0.5 in `store`; None for today's (nine variables)."""
     count = len(store.keys())
+    if count == 8:
+        return _LAYOUT_0_5
     # 0.2's fifth variable holds rows, 0.3's and 0.4's (`due`) is a scalar.
     before_0_3 = count in (6, 7) and np.ndim(store["4"]) == 2
     if count == 7:

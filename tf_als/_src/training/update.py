@@ -25,6 +25,12 @@ optimizer calls `write_pass`, which
    writes the records: one branch for the whole model, never one per
    point.
 
+4. on every step, skipped or not, each point's gain (`write_gains`): how
+   much larger its weight gradients came out than the gradient it
+   received, from the amax of each gradient the optimizer read anyway to
+   check that it is finite; the point's next scale keeps them within
+   float16 (`rule.judged_amax`).
+
 Nothing is exchanged between replicas: each replica's points chose from
 its own gradients and unscaled its own weight gradients before Keras sums
 them, so each replica records its own (see docs/distributed.md).
@@ -114,6 +120,47 @@ def _telemetry_rows(records, forward, points, chosen, config):
         scale_in, statistics, tf.unstack(headroom), axis=1
     )
     return values, histograms
+
+
+def write_gains(model, produced, scale) -> None:
+    """Writes each point's gain into `model.scaling_state.gains`
+    (`rule.held_gain` of what it kept and what it measured): the amax
+    of the weight gradients it produced (`produced`: id of a gradient as
+    the optimizer received it -> its amax once divided by S and T_in, in
+    true units) over the
+    amax of the gradient it received, brought to true units (divided by
+    `scale`, the step's global scale, and by the T_out it carried). The
+    largest over a point's variables; inf when one was not finite while the
+    received gradient was. A point whose received gradient was zero or not
+    finite, or none of whose weight gradients reached the optimizer as it
+    produced them, keeps its gain: a variable several calls read (a shared
+    layer) or that a regularizer's term reaches has a summed gradient,
+    which no single point produced. Nothing is written when no pass of the
+    model ran here."""
+    records = model.pass_record.latest()
+    points = [
+        p for p in sorted(records)
+        if any(id(g) in produced for g in records[p].products)
+    ]
+    if not points:
+        return
+    state = model.scaling_state
+    weights = tf.stack([
+        tf.reduce_max(tf.stack(
+            [produced[id(g)] for g in records[p].products if id(g) in produced]
+        ))
+        for p in points
+    ])
+    received = tf.stack([records[p].amax for p in points]) / (
+        tf.cast(scale, tf.float32) * tf.stack([records[p].scale_out for p in points])
+    )
+    gains = weights / received
+    gains = tf.where(tf.math.is_finite(gains), gains, float("inf"))
+    measured = tf.logical_and(tf.math.is_finite(received), received > 0.0)
+    rows = tf.constant([[p] for p in points], tf.int32)
+    current = tf.gather(tf.convert_to_tensor(state.gains), rows[:, 0])
+    kept = tf.where(measured, rule.held_gain(gains, current), current)
+    state.gains.assign(_scatter(state.gains, rows, kept))
 
 
 def count_zero_gradients(state, amaxes) -> None:
