@@ -25,7 +25,10 @@ in the benchmark's process: a measurement, not an option of the library):
   (`Backward._measure_forward` returns zeros);
 - `no_telemetry`: without the telemetry branch of the optimizer's `apply`
   (`update.write_telemetry` does nothing);
-- `neither`: without both.
+- `neither`: without both;
+- `no_gains`: without the points' gains (`update.write_gains` does
+  nothing, so each point judges its received amax alone, and the
+  optimizer's per-gradient read is Keras's finiteness check again).
 """
 
 import argparse
@@ -39,7 +42,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-VARIANTS = ("keras", "tf_als", "no_check", "no_forward", "no_telemetry", "neither")
+VARIANTS = (
+    "keras", "tf_als", "no_check", "no_forward", "no_telemetry", "neither", "no_gains",
+)
 
 
 def _leave_out(variant):
@@ -47,12 +52,18 @@ def _leave_out(variant):
     import tensorflow as tf
 
     from tf_als._src.training import backward
+    from tf_als._src.training import replicas
     from tf_als._src.training import update
 
     if variant in ("no_forward", "neither"):
         backward.Backward._measure_forward = lambda self, outputs: tf.zeros([2])
     if variant in ("no_telemetry", "neither"):
         update.write_telemetry = lambda *args: None
+    if variant == "no_gains":
+        update.write_gains = lambda *args: None
+        replicas.amaxes = lambda grads: [
+            tf.where(f, 0.0, float("inf")) for f in replicas.finite_flags(grads)
+        ]
 
 
 def worker(args):

@@ -7,7 +7,7 @@ Keras's single scale did not). Each float16 point measures its gain, its
 weight gradients' amax over its received gradient's, on every step
 (`update.write_gains`), and the first-batch check measures it before the
 first step; the point's next scale keeps the weight gradients
-`rule.PRODUCED_MARGIN` below float16's maximum (`rule.judged_amax`).
+`rule.PRODUCED_MARGIN` below float16's maximum (`rule.produced_headroom`).
 
 The model here is three 1x1 convolutions over 64x64 positions, batch 8:
 2**15 terms in each bias gradient, most of one sign (the targets sit above
@@ -89,7 +89,7 @@ def test_an_overflowing_weight_gradient_sends_its_point_back_to_keras_scale():
     # A point's gain is inf after a step whose weight gradient overflowed
     # while its received gradient did not: its next scale is 1 / T_out,
     # Keras's global scale alone. One measurement later it is finite again.
-    judged = rule.judged_amax(0.5, float("inf"), 2.0**12)
-    assert float(rule.scale_within(judged, rule.headroom(2.0**12), 2.0**15, 8.0)) == 1 / 8
+    limit = rule.produced_headroom(rule.headroom(2.0**12), float("inf"), 2.0**12)
+    assert float(rule.scale_within(0.5, limit, 2.0**15, 8.0)) == 1 / 8
     assert float(rule.held_gain(2.0**10, float("inf"))) == 2.0**10
 

@@ -144,7 +144,7 @@ def scale_within(amax, limit, max_layer_scale, inherited=1.0) -> tf.Tensor:
 # convolution's bias gradient sums the received gradient over batch x
 # positions), so they can overflow float16 where the received gradient
 # keeps its margin. Once a point has measured how much larger they came out
-# (its gain, `judged_amax`), its scale keeps them this far below float16's
+# (its gain, `produced_headroom`), its scale keeps them this far below float16's
 # maximum: room for the gain to grow from one step to the next.
 PRODUCED_MARGIN = 2.0**3
 # A point's gain moves with the batch (a bias gradient's sum depends on how
@@ -155,34 +155,29 @@ PRODUCED_MARGIN = 2.0**3
 GAIN_DECAY = 0.5
 
 
-def judged_amax(amax, gain, overflow_margin) -> tf.Tensor:
-    """The amax a point chooses its scale from (`scale_within`): the
-    received gradient's `amax`, raised so that the weight gradients the
-    point produces, `gain` times the received gradient's amax (both in
-    true units, measured on the point's last step), stay `PRODUCED_MARGIN`
-    below float16's maximum, as the received one stays `overflow_margin`
-    below it: amax * max(1, gain * PRODUCED_MARGIN / overflow_margin).
-    With the default margin, 2**12, the gain starts to count above 2**9.
+def produced_headroom(limit, gains, overflow_margin) -> tf.Tensor:
+    """Each point's `limit` (`headroom`, the largest scaled amax of the
+    gradient it receives) lowered so that the weight gradients it
+    produces, `gains` times the received gradient's amax (in true units,
+    measured on its last steps), stay `PRODUCED_MARGIN` below float16's
+    maximum, as the received gradient stays `overflow_margin` below it:
+    limit / max(1, gain * PRODUCED_MARGIN / overflow_margin), for every
+    point at once ([points]), once per pass; a point then takes its own
+    row (`scale_within`). With the default margin, 2**12, a gain starts
+    to count above 2**9.
 
-    `gain` 0 (not measured yet) leaves amax as it is; inf (a weight
-    gradient was not finite while the received one was) makes it inf, and
+    A gain of 0 (not measured yet) leaves the limit as it is; inf (a weight
+    gradient was not finite while the received one was) makes it 0, and
     the point takes the lowest scale it may, 1 / T_out (the global scale
-    alone, as Keras's). An amax of 0 or NaN stays as it is.
+    alone, as Keras's).
 
-    >>> float(judged_amax(2.0, 0.0, 2.0**12))
-    2.0
-    >>> float(judged_amax(2.0, 2.0**15, 2.0**12))  # 2 * 2**15 * 2**3 / 2**12
-    128.0
-    >>> float(judged_amax(2.0, 2.0**8, 2.0**12))  # the received margin binds
-    2.0
-    >>> float(judged_amax(2.0, float("inf"), 2.0**12)), float(judged_amax(0.0, float("inf"), 2.0**12))
-    (inf, 0.0)
+    >>> produced_headroom(16.0, tf.constant([0.0, 2.0**8, 2.0**15, float("inf")]), 2.0**12).numpy()
+    array([16.  , 16.  ,  0.25,  0.  ], dtype=float32)
     """
-    amax = tf.cast(amax, tf.float32)
-    factor = tf.cast(gain, tf.float32) * (
+    factor = tf.cast(gains, tf.float32) * (
         PRODUCED_MARGIN / tf.cast(overflow_margin, tf.float32)
     )
-    return tf.where(amax > 0.0, amax * tf.maximum(factor, 1.0), amax)
+    return tf.cast(limit, tf.float32) / tf.maximum(factor, 1.0)
 
 
 def held_gain(measured, kept) -> tf.Tensor:

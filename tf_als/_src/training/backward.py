@@ -15,8 +15,8 @@ same multiply where a variable's whole gradient is one call's product
 
 Each point chooses its scale inside its gradient function, from the
 gradient it is about to scale (`rule.amax_of`, `rule.headroom` once per
-pass, `rule.judged_amax` with the gain its weight gradients showed on the
-last step, `rule.scale_within`: the rule's own functions, with the knobs
+pass for every point, lowered by the gain its weight gradients showed
+on its last steps, `rule.produced_headroom`; `rule.scale_within`: the rule's own functions, with the knobs
 of the model's `config.ScalingConfig` and the global scale's back-off and
 the gains from its state): one max-reduction and a few scalar ops per
 point, no branch, and no variable written. What it chose and a sample
@@ -87,8 +87,7 @@ class Backward:
         self._handled = {}  # point -> ids of variables unscaled inside it
         self._used = {}  # point -> scale used in this pass
         self._input_scales = {}  # point -> T its input gradients carry
-        self._limits = {}  # graph (None: eager) -> the pass's headroom
-        self._gain_rows = {}  # graph (None: eager) -> the state's gains
+        self._limits = {}  # graph (None: eager) -> every point's headroom
         self._forward = {}  # point -> its forward headroom, [2]
         self._due = {}  # graph (None: eager) -> whether it is a telemetry step
 
@@ -376,11 +375,8 @@ class Backward:
             due = tf.convert_to_tensor(self.state.due) > 0
             scale = tf.cond(due, update, lambda: current)
         else:
-            judged = rule.judged_amax(
-                amax, tf.gather(self._gains(), point), config.overflow_margin
-            )
             scale = rule.scale_within(
-                judged, self._headroom(), config.max_layer_scale, scale_out
+                amax, self._headroom()[point], config.max_layer_scale, scale_out
             )
         samples = tuple(rule.sample(dy) for dy in upstream)
         self.record.put(point, pass_record.PointRecord(scale, scale_out, amax, samples))
@@ -412,21 +408,19 @@ class Backward:
             self.record.put_forward(dict(self._forward))
         self._forward = {}
 
-    def _gains(self):
-        """The points' gains (`state.gains`, what their last step's weight
-        gradients measured), read once per graph."""
-        graph = unscaled.traced_graph()
-        if graph not in self._gain_rows:
-            self._gain_rows[graph] = tf.convert_to_tensor(self.state.gains)
-        return self._gain_rows[graph]
-
     def _headroom(self):
-        """`rule.headroom` of this pass, read once per graph (every
-        point of a pass shares the global scale's back-off)."""
+        """Every point's headroom in this pass (a list by point): `rule.headroom`
+        (the global scale's back-off is shared) lowered by the gain of its
+        weight gradients (`rule.produced_headroom`), computed once per
+        graph."""
         graph = unscaled.traced_graph()
         if graph not in self._limits:
             backoff = tf.convert_to_tensor(self.state.backoff)
-            self._limits[graph] = rule.headroom(self.config.overflow_margin, backoff)
+            limit = rule.headroom(self.config.overflow_margin, backoff)
+            self._limits[graph] = tf.unstack(rule.produced_headroom(
+                limit, tf.convert_to_tensor(self.state.gains),
+                self.config.overflow_margin,
+            ))
         return self._limits[graph]
 
 

@@ -97,7 +97,7 @@ class ScalingState(keras.layers.Layer):
       (their amax over the received amax), on its last step; inf when a
       weight gradient was not finite while the received one was, 0 until
       measured. The point's next scale keeps its weight gradients within
-      float16 (`rule.judged_amax`); the optimizer writes it after each
+      float16 (`rule.produced_headroom`); the optimizer writes it after each
       step (`update.write_gains`), the first-batch check before the first.
 
     The scales are chosen inside the backward pass, each from the

@@ -29,7 +29,7 @@ optimizer calls `write_pass`, which
    much larger its weight gradients came out than the gradient it
    received, from the amax of each gradient the optimizer read anyway to
    check that it is finite; the point's next scale keeps them within
-   float16 (`rule.judged_amax`).
+   float16 (`rule.produced_headroom`).
 
 Nothing is exchanged between replicas: each replica's points chose from
 its own gradients and unscaled its own weight gradients before Keras sums
