@@ -87,6 +87,57 @@ def conv_critic(seed=0):
     return keras.Model(image, out, name="conv_critic")
 
 
+def pixel_images(count=96, seed=0) -> dict:
+    """`images` as pixel values in [0, 255], not rescaled to [-1, 1]: the
+    step keras.io's DCGAN takes and users skip."""
+    data = images(count, seed)
+    data["real"] = 127.5 + 127.5 * data["real"]
+    return data
+
+
+def pixel_generator(seed=0):
+    """A generator of pixel values: a Dense net, a float32 linear output
+    around 127.5."""
+    keras.utils.set_random_seed(seed)
+    z = keras.Input((LATENT,))
+    x = keras.layers.Dense(64, activation="relu")(z)
+    x = keras.layers.Dense(IMAGE * IMAGE, dtype="float32")(x)
+    x = keras.layers.Rescaling(64.0, offset=127.5, dtype="float32")(x)
+    x = keras.layers.Reshape((IMAGE, IMAGE, 1), dtype="float32")(x)
+    return keras.Model(z, x, name="pixel_gen")
+
+
+class HandInstanceNorm(keras.layers.Layer):
+    """Instance normalisation written by hand in the layer's compute dtype
+    (WGAN-GP's critic avoids batch normalisation): on float16 maps of
+    pixel-scale activations the mean of squares overflows, and the layer
+    outputs a map of zeros."""
+
+    def build(self, input_shape):
+        channels = input_shape[-1]
+        self.gamma = self.add_weight(shape=(channels,), initializer="ones", name="gamma")
+        self.beta = self.add_weight(shape=(channels,), initializer="zeros", name="beta")
+
+    def call(self, x):
+        mean = tf.reduce_mean(x, axis=[1, 2], keepdims=True)
+        variance = tf.reduce_mean(tf.square(x - mean), axis=[1, 2], keepdims=True)
+        normalised = (x - mean) * tf.math.rsqrt(variance + 1e-5)
+        return normalised * tf.cast(self.gamma, x.dtype) + tf.cast(self.beta, x.dtype)
+
+
+def normalised_critic(seed=0):
+    """A critic with a hand-written instance normalisation after its
+    convolution, a float32 linear score."""
+    keras.utils.set_random_seed(seed)
+    image = keras.Input((IMAGE, IMAGE, 1))
+    x = keras.layers.Conv2D(16, 3, padding="same")(image)
+    x = HandInstanceNorm(name="norm")(x)
+    x = keras.layers.LeakyReLU(0.2)(x)
+    x = keras.layers.Flatten()(x)
+    out = keras.layers.Dense(1, dtype="float32")(x)
+    return keras.Model(image, out, name="normalised_critic")
+
+
 class CountingModel(keras.Model):
     """keras.io "Customizing what happens in fit()": a subclassed model with
     its own `train_step`, which also counts the batches it ran."""

@@ -18,6 +18,7 @@ import keras
 import tensorflow as tf
 
 from tf_als._src.model import _keras
+from tf_als._src.model import plain
 from tf_als._src.failures import nonfinite
 from tf_als._src.scaling import rule
 
@@ -28,27 +29,41 @@ INPUTS = nonfinite.INPUTS
 OUTPUT = nonfinite.OUTPUT
 
 
+class StepLoss:
+    """The loss a custom training step differentiates, computed from one
+    of its batches as the step computes it: `fn(batch)` calls the
+    models itself (the instrumented ones run their plain forward pass,
+    `plain.forward_passes`) and returns the unscaled scalar loss.
+    `Forward` takes it in place of a `loss_fn`; its batches are the
+    step's own, of any structure."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+
 class Forward:
     """One eager forward pass of `model` on `batch`, observed layer by
     layer, and with `loss_fn` its loss under a persistent tape, so that the
     gradients at any number of loss scales cost one backward pass each
-    (`at`) and no further forward pass. Leaves the model as it found it:
-    non-trainable variables (BatchNormalization's moving statistics, dropout
-    seeds) are put back after the forward pass.
+    (`at`) and no further forward pass. Leaves every variable it touched
+    as it found it (`nonfinite.preserved`).
 
     Args:
         model: a plain (not instrumented) Keras model.
-        batch: `(x, y, sample_weight)`.
-        loss_fn: `loss_fn(x, y, y_pred, sample_weight)`, the scalar loss;
-            None runs the forward pass only (`at` is then unavailable).
-        training: the `training` argument of the forward pass.
+        batch: `(x, y, sample_weight)`; for a `StepLoss`, the step's batch.
+        loss_fn: `loss_fn(x, y, y_pred, sample_weight)`, the scalar loss,
+            or a `StepLoss`; None runs the forward pass only (`at` is then
+            unavailable).
+        training: the `training` argument of the forward pass (a
+            `StepLoss` passes its own).
 
     Attributes:
         model: the model.
         batch: the batch.
         calls: `(layer, (args, kwargs), outputs)` of every layer call, in
             completion order (innermost first).
-        y_pred: the model's outputs.
+        y_pred: the model's outputs (a `StepLoss`'s: those of every call
+            of `model`, in a list).
         loss: the loss, float32 (None without `loss_fn`).
 
     Example:
@@ -63,7 +78,6 @@ class Forward:
 
     def __init__(self, model, batch, loss_fn=None, training: bool = True):
         self.model, self.batch = model, batch
-        x, y, sample_weight = batch
         self.calls = []
 
         def observe(layer, arguments, outputs):
@@ -71,17 +85,47 @@ class Forward:
 
         self._tape = tf.GradientTape(persistent=True) if loss_fn else None
         self.loss = None
-        with nonfinite.preserved(model.variables):
+        with nonfinite.preserved(model.variables) as keep:
             with self._tape or contextlib.nullcontext():
-                with _keras.layer_calls(observe):
-                    self.y_pred = model(x, training=training)
-                if loss_fn is not None:
-                    self.loss = tf.cast(
-                        loss_fn(x, y, self.y_pred, sample_weight), tf.float32
-                    )
+                if isinstance(loss_fn, StepLoss):
+                    before = lambda layer: keep(layer.variables)  # noqa: E731
+                    with _keras.layer_calls(observe, before), plain.forward_passes():
+                        loss = loss_fn.fn(batch)
+                    self.y_pred = self._outputs_of_model()
+                else:
+                    x, y, sample_weight = batch
+                    with _keras.layer_calls(observe):
+                        self.y_pred = model(x, training=training)
+                    loss = None if loss_fn is None else loss_fn(x, y, self.y_pred, sample_weight)
+                if loss is not None:
+                    self.loss = tf.cast(loss, tf.float32)
+        self._step_loss = isinstance(loss_fn, StepLoss)
         self._found = {}  # scale -> Finding or None
         self._amax = {}  # scale -> float16 amax of a finite backward pass
         self._gains = {}  # scale -> {id(layer): gain} of a finite one
+
+    @property
+    def targets(self):
+        """The batch's targets (None for a `StepLoss`'s batch)."""
+        return None if self._step_loss else self.batch[1]
+
+    @property
+    def own_calls(self) -> list:
+        """The `calls` of `model` and its layers (a `StepLoss` may call
+        other models too: a generator's loss runs the critic)."""
+        own = {id(self.model)} | {id(l) for l in _keras.sublayers(self.model, recursive=True)}
+        return [call for call in self.calls if id(call[0]) in own]
+
+    def _outputs_of_model(self) -> list:
+        """The outputs of every call of `model` a `StepLoss` made."""
+        outputs = [out for layer, _, out in self.calls if layer is self.model]
+        if not outputs:
+            raise ValueError(
+                f"step_loss did not call model {self.model.name!r}: it must "
+                "compute the loss the training step differentiates for the "
+                "model's weights, calling the model on the batch"
+            )
+        return outputs
 
     def at(self, scale: float) -> Optional[Finding]:
         """Where the gradients of `scale` times the loss turn non-finite

@@ -129,10 +129,20 @@ def preserved(variables):
     weights a layer assigns in its own `call` (`SpectralNormalization`
     normalises its kernel and advances its power iteration's `vector_u`).
     Saving costs no copy: a read of a variable is a snapshot that an
-    assignment does not overwrite."""
-    saved = [(v, keras.ops.copy(v.value)) for v in variables]
+    assignment does not overwrite.
+
+    The block receives a function that saves more variables the same way,
+    on first sight (the layers a custom step's loss turns out to call)."""
+    saved = {}
+
+    def keep(more):
+        for variable in more:
+            if id(variable) not in saved:
+                saved[id(variable)] = (variable, keras.ops.copy(variable.value))
+
+    keep(variables)
     try:
-        yield
+        yield keep
     finally:
-        for variable, value in saved:
+        for variable, value in saved.values():
             variable.assign(value)

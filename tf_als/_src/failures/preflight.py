@@ -147,8 +147,9 @@ def check(
     Args:
         model: the instrumented model (its plain layers are run).
         batch: `(x, y, sample_weight)`.
-        loss_fn: `loss_fn(x, y, y_pred, sample_weight)`, the scalar loss;
-            None checks the forward pass only.
+        loss_fn: `loss_fn(x, y, y_pred, sample_weight)`, the scalar loss,
+            or a `backward_search.StepLoss` (then `batch` is the step's
+            own); None checks the forward pass only.
         scale: the global scale to start from (the optimizer's initial
             scale).
         step: the optimizer step, for the promotions' record.
@@ -228,13 +229,15 @@ def _forward_failures(forward, loss_fn) -> list:
     re-runs leave the model as they found it)."""
     findings = []
     with nonfinite.preserved(forward.model.variables):
-        for layer, arguments, outputs in forward.calls:
+        for layer, arguments, outputs in forward.own_calls:
             if _checked(layer):
                 reason = _stray(layer, arguments, outputs)
                 if reason is not None:
                     findings.append(Finding(nonfinite.layer_path(layer), reason))
-    findings += _unreachable_targets(forward.calls, forward.y_pred, forward.batch[1])
-    if loss_fn is not None and not findings:
+    findings += _unreachable_targets(forward.calls, forward.y_pred, forward.targets)
+    if loss_fn is not None and not isinstance(loss_fn, backward_search.StepLoss) and not findings:
+        # A `StepLoss` computes its loss from the batch, not from outputs
+        # that could be handed over in float32.
         findings += _loss_overflows(forward, loss_fn)
     return _unique(findings)
 

@@ -34,6 +34,7 @@ import warnings
 import keras
 import tensorflow as tf
 
+from tf_als._src.failures import backward_search
 from tf_als._src.failures import preflight as preflight_module
 from tf_als._src.failures import promote as promote_module
 from tf_als._src.failures import silent
@@ -100,8 +101,7 @@ class Recovery:
         """`optimizer.preflight` (built): (promotions, why none or None)."""
         self.preflown = True
         step = int(keras.ops.convert_to_numpy(optimizer.iterations))
-        loss_fn = None if loss is None else _batch_mean_loss(loss)
-        triples = _triples_of(batches) if loss is not None else _inputs_only(batches)
+        loss_fn, triples = _loss_and_batches(loss, batches)
         outcome = preflight_module.run(
             model,
             itertools.islice(triples(), limit),
@@ -208,7 +208,8 @@ class Recovery:
             return (), (
                 "the loss was finite at the first skipped step, so the "
                 "backward pass failed, and re-running it needs the loss "
-                "(pass `loss=` and batches of `(x, y)` to check_skips)"
+                "(pass `loss=` and batches of `(x, y)` to check_skips, or "
+                "`step_loss=` and the step's batches)"
             )
         made, why = self.preflight(
             optimizer, models[0], batches, loss, limit=STORM_BATCHES, first=False
@@ -224,6 +225,37 @@ class Recovery:
             promoted = ", ".join(repr(p.layer) for p in promote_module.promoted(models[0]))
             return (), f"{why} (promoted so far: {promoted})"
         return made, why
+
+
+def user_loss(loss, step_loss):
+    """The loss the checks re-run (`Recovery`): `loss`, or `step_loss` as a
+    `backward_search.StepLoss`; raises when both are given or either is
+    not callable."""
+    if loss is not None and step_loss is not None:
+        raise ValueError(
+            "Pass `loss` (a loss of the model's outputs, `loss(y_true, "
+            "y_pred)`) or `step_loss` (the step's loss from a batch, "
+            "`step_loss(batch)`), not both."
+        )
+    for name, value in (("loss", loss), ("step_loss", step_loss)):
+        if value is not None and not callable(value):
+            raise TypeError(
+                f"`{name}` must be callable; received {value!r} of type "
+                f"{type(value).__name__}."
+            )
+    return backward_search.StepLoss(step_loss) if step_loss is not None else loss
+
+
+def _loss_and_batches(loss, batches) -> tuple:
+    """The `loss_fn` the checks take (`preflight.check`) and a callable
+    returning the batches as they take them, from the loss a user passed
+    (`loss(y, y_pred)`, a `backward_search.StepLoss`, or None) and
+    `batches`."""
+    if isinstance(loss, backward_search.StepLoss):
+        return loss, batches
+    if loss is None:
+        return None, _inputs_only(batches)
+    return _batch_mean_loss(loss), _triples_of(batches)
 
 
 def _triples_of(batches):

@@ -287,14 +287,16 @@ def _graph_inputs(layer) -> list:
 
 
 @contextlib.contextmanager
-def layer_calls(callback):
+def layer_calls(callback, before=None):
     """Within this block, `callback(layer, inputs, outputs)` runs after
     every `Layer.__call__` this thread makes (innermost calls complete
-    first). For eager diagnostics only: it patches Keras's
-    `Layer.__call__` for the block and restores it on exit; calls from
-    other threads meanwhile run Keras's own `__call__` unchanged."""
+    first), and `before(layer)`, if given, before it. For eager
+    diagnostics only: it patches Keras's `Layer.__call__` for the block
+    and restores it on exit; calls from other threads meanwhile run
+    Keras's own `__call__` unchanged."""
     original = keras.layers.Layer.__call__
-    calling = _in_this_thread(functools.partial(_observed, original, callback), original)
+    observed = functools.partial(_observed, original, callback, before)
+    calling = _in_this_thread(observed, original)
     keras.layers.Layer.__call__ = calling
     try:
         yield
@@ -302,7 +304,9 @@ def layer_calls(callback):
         keras.layers.Layer.__call__ = original
 
 
-def _observed(original, callback, layer, *args, **kwargs):
+def _observed(original, callback, before, layer, *args, **kwargs):
+    if before is not None:
+        before(layer)
     outputs = original(layer, *args, **kwargs)
     callback(layer, (args, kwargs), outputs)
     return outputs

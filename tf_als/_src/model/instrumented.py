@@ -40,6 +40,7 @@ from tf_als._src.model import checks
 from tf_als._src.model import graph
 from tf_als._src.model import hooks
 from tf_als._src.model import legacy
+from tf_als._src.model import plain
 from tf_als._src.model import points as points_module
 from tf_als._src.model import runner
 from tf_als._src.model import training_data
@@ -242,7 +243,12 @@ class InstrumentedModel(_keras.CheckpointOnly, keras.Model):
     def scaled_call(self, args, kwargs):
         """The forward pass, `call(*args, **kwargs)` as Keras's `__call__`
         hands it over: the plan run through the scaling points, or a
-        subclassed model's own `call` as one opened point."""
+        subclassed model's own `call` as one opened point; within
+        `plain.forward_passes()` (an eager check), the model given to
+        `tf_als.instrument`."""
+        if plain.active():
+            outputs = self._tf_als_original(*args, **kwargs)
+            return self._for_the_loss(outputs, kwargs.get("training"))
         back = backward.Backward(
             self._plan,
             self.scaling_state,

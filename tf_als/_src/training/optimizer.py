@@ -249,6 +249,7 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         attempted: int | None = None,
         batches: Callable[[], Iterable] | None = None,
         loss: Callable | None = None,
+        step_loss: Callable | None = None,
     ) -> list:
         """Acts on skipped steps (`max_consecutive_skips` in a row, as many
         within twice as many steps, or S below 1): promotes the layers
@@ -271,10 +272,16 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 sample_weight])` tuples. Without it nothing is promoted.
             loss: `loss(y_true, y_pred[, sample_weight=])`, the training
                 loss, to re-run the backward pass.
+            step_loss: instead of `loss`, for a step whose loss is not a
+                function of one model's outputs (a GAN's): `step_loss(batch)`,
+                the unscaled loss the step differentiates for this
+                optimizer's model, computed from one of `batches` as the
+                step computes it (see `preflight`).
 
         Returns:
             The `Promotion`s made (usually none).
         """
+        loss = recovery.user_loss(loss, step_loss)
         return self._recovery.check(self, attempted, batches, loss)
 
     def applied_models(self) -> list:
@@ -283,15 +290,58 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return [m for m in (r() for r in self._applied_models) if m is not None]
 
     def preflight(
-        self, model, batches, loss=None, limit: int = 1, first: bool = True
+        self,
+        model: keras.Model,
+        batches: Callable[[], Iterable],
+        loss: Callable | None = None,
+        limit: int = 1,
+        first: bool = True,
+        step_loss: Callable | None = None,
     ) -> tuple:
-        """Promotes the layers of `model` whose float16 arithmetic fails on
-        up to `limit` of `batches` (as `check_skips`'s), with a warning
-        each, and sets S to the largest power of two, at most
+        """The first-batch check: promotes the layers of `model` whose
+        float16 arithmetic fails on up to `limit` of `batches`, with a
+        warning each, and sets S to the largest power of two, at most
         `initial_scale`, at which their gradients are finite (`first`: even
-        when nothing was promoted; `fit` calls it on its first batch).
-        Returns (the promotions made, why a failure was left unpromoted).
+        when nothing was promoted), with each scaling point's first scale
+        bounded by what it will produce. `fit` runs it on its first batch
+        for Keras's own train step; a model's own `train_step` (a GAN) or
+        a custom loop calls it once, before its first step, with the loss
+        its step differentiates:
+
+        ```python
+        batch = next(iter(dataset))
+        gan.d_optimizer.preflight(
+            gan.critic, lambda: [batch],
+            step_loss=lambda b: gan.critic_loss(b["real"], b["z1"]))
+        gan.g_optimizer.preflight(
+            gan.generator, lambda: [batch],
+            step_loss=lambda b: gan.generator_loss(b["z2"]))
+        gan.fit(dataset)
+        ```
+
+        The check is eager and leaves every variable as it found it; the
+        instrumented models the loss calls run their plain forward pass.
+
+        Args:
+            model: the instrumented model this optimizer trains.
+            batches: a callable returning training batches: with `loss`,
+                `(x, y[, sample_weight])` tuples; with `step_loss`, the
+                step's own batches; with neither, inputs (the forward pass
+                only).
+            loss: `loss(y_true, y_pred[, sample_weight=])`, a loss of
+                `model`'s outputs (reduced to the batch mean).
+            limit: how many of `batches` to check.
+            first: choose S even when nothing was promoted.
+            step_loss: instead of `loss`, `step_loss(batch)`: the unscaled
+                scalar loss the step differentiates for `model`'s weights,
+                computed from one batch by calling the models, as the step
+                does (a gradient penalty's inner tape included).
+
+        Returns:
+            (the promotions made, why a failure was left unpromoted or
+            None).
         """
+        loss = recovery.user_loss(loss, step_loss)
         self._build_once(model.trainable_variables)
         return self._recovery.preflight(self, model, batches, loss, limit, first)
 

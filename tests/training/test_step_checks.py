@@ -1,0 +1,182 @@
+"""The first-batch check in a model's own `train_step` and in custom loops
+(issue 39, item 3): `optimizer.preflight(model, batches, step_loss=...)`,
+called once before the first step with the loss the step differentiates,
+checks what `fit` checks for Keras's own step. Shown on the GANs of
+tests/loops.py, trained with `fit` on the GAN's own `train_step`, from the
+same weights on the same batches as float32 and Keras's
+`LossScaleOptimizer`."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_als
+from tests import loops
+
+STEPS = 12
+BATCH = 8
+
+
+def _gan(variant, generator, critic, penalty, **optimizer_kwargs):
+    keras.mixed_precision.set_global_policy(
+        "float32" if variant == "float32" else "mixed_float16"
+    )
+    generator, critic = generator(), critic()
+    optimizers = []
+    for _ in range(2):
+        inner = keras.optimizers.Adam(1e-4)
+        if variant == "float32":
+            optimizers.append(inner)
+        elif variant == "keras":
+            optimizers.append(keras.optimizers.LossScaleOptimizer(inner))
+        else:
+            optimizers.append(tf_als.AdaptiveLossScaleOptimizer(inner, **optimizer_kwargs))
+    if variant.startswith("tf_als"):
+        generator, critic = tf_als.instrument(generator), tf_als.instrument(critic)
+    gan = loops.GAN(generator, critic, penalty=penalty)
+    gan.compile(d_optimizer=optimizers[0], g_optimizer=optimizers[1])
+    return gan
+
+
+def _check(gan, data):
+    """The documented calls: each optimizer's check on the first batch,
+    with the loss its step differentiates."""
+    first = {k: v[:BATCH] for k, v in data.items()}
+    critic = gan.d_optimizer.preflight(
+        gan.critic, lambda: [first],
+        step_loss=lambda b: gan.critic_loss(b["real"], b["z1"]),
+    )
+    generator = gan.g_optimizer.preflight(
+        gan.generator, lambda: [first], step_loss=lambda b: gan.generator_loss(b["z2"])
+    )
+    return critic, generator
+
+
+def _train(gan, data, skipped_before=(0, 0)):
+    """(final losses, skipped steps of the critic's and the generator's
+    optimizers, counting `skipped_before`)."""
+    history = gan.fit(data, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    steps = len(data["real"]) // BATCH
+    skipped = tuple(
+        before + steps - int(getattr(o, "inner_optimizer", o).iterations.numpy())
+        for before, o in zip(skipped_before, (gan.d_optimizer, gan.g_optimizer))
+    )
+    return {k: v[-1] for k, v in history.history.items()}, skipped
+
+
+def test_a_gans_own_step_gets_the_check_and_trains_like_float32():
+    """A DCGAN on pixel values with a hand-written instance norm in its
+    critic: the float16 norm overflows and outputs zeros, silently (no
+    step is skipped). The check on the critic's step loss promotes it
+    before step 0, and the run ends where float32's does."""
+    data = loops.pixel_images(STEPS * BATCH)
+    make = lambda v: _gan(v, lambda: loops.pixel_generator(1), lambda: loops.normalised_critic(2), 0.0)  # noqa: E731
+    reference, _ = _train(make("float32"), data)
+    keras_losses, keras_skipped = _train(make("keras"), data)
+    gan = make("tf_als")
+    with pytest.warns(UserWarning, match="promoted layer 'norm'"):
+        (critic_made, critic_why), (generator_made, _) = _check(gan, data)
+    assert [p.layer for p in critic_made] == ["norm"] and critic_why is None
+    assert [p.step for p in critic_made] == [0]
+    assert generator_made == ()  # The generator's layers all work in float16.
+    losses, skipped = _train(gan, data)
+    assert skipped == keras_skipped == (0, 0)
+    want = reference["d_loss"]
+    # The premise: Keras's run, with the norm in float16, is off by 11%
+    # (measured); ours is float32's within float16's rounding (0.01%).
+    assert abs(keras_losses["d_loss"] - want) > 0.05 * abs(want)
+    assert abs(losses["d_loss"] - want) <= 0.01 * abs(want), (losses, reference)
+
+
+def _wgan_gp(variant):
+    generator = lambda: loops.mlp(loops.LATENT, 32, loops.FEATURES, "gen", seed=1)  # noqa: E731
+    critic = lambda: loops.mlp(loops.FEATURES, 32, 1, "critic", "tanh", seed=2)  # noqa: E731
+    return _gan(variant, generator, critic, 10.0)
+
+
+def test_wgan_gp_checked_skips_no_more_than_keras():
+    """WGAN-GP's critic step (a gradient penalty: a gradient of a gradient)
+    overflows at the default initial scale of 2**15 on its first batch.
+    The check chooses 2**14, the largest scale at which the eager float16
+    pass is finite, before step 0. Measured over 12 steps: Keras skipped
+    (2, 0) steps (critic, generator), tf_als without the check (2, 0),
+    with it (1, 0)."""
+    data = loops.data(STEPS * BATCH)
+    _, keras_skipped = _train(_wgan_gp("keras"), data)
+    gan = _wgan_gp("tf_als")
+    _check(gan, data)
+    assert float(gan.d_optimizer.dynamic_scale.numpy()) == 2.0**14
+    assert float(gan.g_optimizer.dynamic_scale.numpy()) == 2.0**15
+    _, skipped = _train(gan, data)
+    assert keras_skipped[0] >= 1  # The premise: the critic overflows.
+    assert all(s <= k for s, k in zip(skipped, keras_skipped)), (skipped, keras_skipped)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the penalty's gradient of a gradient passes the points' lifts "
+    "(Backward._lift), which the plain eager check does not run: at the "
+    "2**14 it chose, the lifted step 0 overflows the first critic kernel",
+)
+def test_wgan_gp_checked_applies_its_first_step():
+    data = loops.data(BATCH)
+    gan = _wgan_gp("tf_als")
+    _check(gan, data)
+    _, skipped = _train(gan, data)
+    assert skipped == (0, 0)
+
+
+def _bn_critic():
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((loops.FEATURES,))
+    x = keras.layers.Dense(16)(inputs)
+    x = keras.layers.BatchNormalization()(x)
+    x = keras.layers.Dropout(0.5)(keras.layers.ReLU()(x))
+    return keras.Model(inputs, keras.layers.Dense(1, dtype="float32")(x), name="bn_critic")
+
+
+def test_the_check_leaves_every_model_the_loss_calls_as_it_found_it(mixed):
+    """The generator's step loss runs the critic too (its BatchNormalization
+    statistics and dropout seed move in training mode): the check puts
+    back every variable of both."""
+    generator = tf_als.instrument(loops.mlp(loops.LATENT, 16, loops.FEATURES, "gen", seed=1))
+    critic = tf_als.instrument(_bn_critic())
+    gan = loops.GAN(generator, critic)
+    optimizer = tf_als.AdaptiveLossScaleOptimizer(keras.optimizers.Adam())
+    batch = {k: v[:BATCH] for k, v in loops.data(BATCH).items()}
+    variables = generator.variables + critic.variables
+    before = [np.array(v.numpy()) for v in variables]
+    optimizer.preflight(generator, lambda: [batch], step_loss=lambda b: gan.generator_loss(b["z2"]))
+    moved = [v.path for v, b in zip(variables, before) if not np.array_equal(v.numpy(), b)]
+    assert moved == []
+    # The premise: the same loss, run once, moves the critic's statistics.
+    gan.generator_loss(batch["z2"])
+    assert any(
+        not np.array_equal(v.numpy(), b) for v, b in zip(critic.variables, before[len(generator.variables):])
+    )
+
+
+def test_a_step_loss_must_call_the_model(mixed):
+    model = tf_als.instrument(loops.mlp(loops.FEATURES, 8, 1, "critic"))
+    optimizer = tf_als.AdaptiveLossScaleOptimizer(keras.optimizers.Adam())
+    x = np.zeros((2, loops.FEATURES), "float32")
+    with pytest.raises(ValueError, match="step_loss did not call model 'critic'"):
+        optimizer.preflight(model, lambda: [x], step_loss=lambda b: tf.reduce_sum(b))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"loss": "mse", "step_loss": lambda b: 0.0}, ValueError, "not both"),
+        ({"step_loss": "mse"}, TypeError, "`step_loss` must be callable; received 'mse'"),
+        ({"loss": 3}, TypeError, "`loss` must be callable; received 3 of type int"),
+    ],
+)
+def test_the_losses_are_checked(mixed, kwargs, error, message):
+    model = tf_als.instrument(loops.mlp(loops.FEATURES, 8, 1, "critic"))
+    optimizer = tf_als.AdaptiveLossScaleOptimizer(keras.optimizers.Adam())
+    with pytest.raises(error, match=message):
+        optimizer.preflight(model, lambda: [], **kwargs)
+    with pytest.raises(error, match=message):
+        optimizer.check_skips(batches=lambda: [], **kwargs)
