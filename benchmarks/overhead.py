@@ -139,27 +139,10 @@ def residual_cnn(keras, blocks=4):
 
 
 def unet(keras, size=UNET_SIZE, levels=4, width=8):
-    """A U-Net for binary segmentation: `levels` levels of two 3x3
-    convolutions (ReLU) with max-pooling down and transposed convolutions
-    up, skip connections by concatenation, a float32 sigmoid output."""
-    layers = keras.layers
-    inputs = keras.Input((size, size, 3))
-    x, skips = inputs, []
-    for level in range(levels):
-        filters = width * 2**level
-        x = layers.Conv2D(filters, 3, padding="same", activation="relu")(x)
-        x = layers.Conv2D(filters, 3, padding="same", activation="relu")(x)
-        skips.append(x)
-        x = layers.MaxPooling2D()(x)
-    x = layers.Conv2D(width * 2**levels, 3, padding="same", activation="relu")(x)
-    for level in reversed(range(levels)):
-        filters = width * 2**level
-        x = layers.Conv2DTranspose(filters, 2, strides=2)(x)
-        x = layers.Concatenate()([x, skips[level]])
-        x = layers.Conv2D(filters, 3, padding="same", activation="relu")(x)
-        x = layers.Conv2D(filters, 3, padding="same", activation="relu")(x)
-    outputs = layers.Conv2D(1, 1, activation="sigmoid", dtype="float32")(x)
-    return keras.Model(inputs, outputs)
+    """`tests/architectures.py`'s U-Net."""
+    from tests import architectures
+
+    return architectures.unet(size, levels, width)
 
 
 def _token_classifier(keras, backbone, pooled, config, batch, rng, loss):

@@ -13,6 +13,7 @@ from typing import Callable
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 layers = keras.layers
 
@@ -154,6 +155,113 @@ def post_ln_tokens(batches, batch=32, length=32, vocabulary=200, classes=8, seed
     rng = np.random.default_rng(seed)
     x = rng.integers(0, vocabulary, size=(batches * batch, length)).astype("int32")
     return x, x[:, :4].sum(axis=1) % classes
+
+
+# -- where weight-gradient sums overflow (issue 39) ----------------------
+
+
+def unet(size=64, levels=4, width=8):
+    """A U-Net for binary segmentation: `levels` levels of two 3x3
+    convolutions (ReLU) with max-pooling down and transposed convolutions
+    up, skip connections by concatenation, a float32 sigmoid output."""
+    inputs = keras.Input((size, size, 3))
+    x, skips = inputs, []
+    for level in range(levels):
+        filters = width * 2**level
+        x = layers.Conv2D(filters, 3, padding="same", activation="relu")(x)
+        x = layers.Conv2D(filters, 3, padding="same", activation="relu")(x)
+        skips.append(x)
+        x = layers.MaxPooling2D()(x)
+    x = layers.Conv2D(width * 2**levels, 3, padding="same", activation="relu")(x)
+    for level in reversed(range(levels)):
+        filters = width * 2**level
+        x = layers.Conv2DTranspose(filters, 2, strides=2)(x)
+        x = layers.Concatenate()([x, skips[level]])
+        x = layers.Conv2D(filters, 3, padding="same", activation="relu")(x)
+        x = layers.Conv2D(filters, 3, padding="same", activation="relu")(x)
+    outputs = layers.Conv2D(1, 1, activation="sigmoid", dtype="float32")(x)
+    return keras.Model(inputs, outputs)
+
+
+ANCHORS = 4  # per position of a detector's head
+CLASSES = 5  # a detector's, background included
+
+
+def anchor_count(size):
+    """The anchors of a `detector` of `size` px inputs."""
+    return ANCHORS * sum((size // 2**level) ** 2 for level in (3, 4, 5))
+
+
+def detector(size, width=16):
+    """SSD-style: strided 3x3 stages down to size/32, a 3x3 head of box
+    offsets and class logits on each of the maps at /8, /16 and /32,
+    concatenated over anchors; float32 output."""
+    inputs = keras.Input((size, size, 3))
+    x, heads = inputs, []
+    for stage in range(5):
+        filters = min(width * 2**stage, 128)
+        x = layers.Conv2D(filters, 3, strides=2, padding="same", activation="relu")(x)
+        x = layers.Conv2D(filters, 3, padding="same", activation="relu")(x)
+        if stage >= 2:
+            boxes = layers.Conv2D(ANCHORS * 4, 3, padding="same")(x)
+            logits = layers.Conv2D(ANCHORS * CLASSES, 3, padding="same")(x)
+            heads.append(layers.Concatenate()([
+                layers.Reshape((-1, 4))(boxes), layers.Reshape((-1, CLASSES))(logits)
+            ]))
+    outputs = layers.Concatenate(axis=1, dtype="float32")(heads)
+    return keras.Model(inputs, outputs)
+
+
+def detection_loss(normalise):
+    """A focal classification loss (gamma 2) over every anchor plus a Huber
+    loss of the box offsets over the matched ones; both summed per image
+    and, with `normalise`, divided by the image's matched anchors."""
+
+    def loss(y_true, y_pred):
+        labels = tf.cast(y_true[..., 0], tf.int32)
+        matched = tf.cast(labels > 0, tf.float32)
+        probabilities = tf.nn.softmax(y_pred[..., 4:])
+        p = tf.reduce_sum(probabilities * tf.one_hot(labels, CLASSES), axis=-1)
+        focal = -tf.square(1.0 - p) * tf.math.log(tf.maximum(p, 1e-7))
+        error = tf.abs(y_pred[..., :4] - y_true[..., 1:])
+        huber = tf.reduce_sum(tf.where(error < 1.0, 0.5 * error**2, error - 0.5), axis=-1)
+        total = tf.reduce_sum(focal + matched * huber, axis=-1)
+        if normalise:
+            total = total / tf.maximum(tf.reduce_sum(matched, axis=-1), 1.0)
+        return total
+
+    return loss
+
+
+def conv3d(size, width=8):
+    """Two levels of 3x3x3 convolutions, a strided one down and a
+    transposed one up, a skip connection, a float32 sigmoid."""
+    inputs = keras.Input((size, size, size, 1))
+    x = layers.Conv3D(width, 3, padding="same", activation="relu")(inputs)
+    skip = layers.Conv3D(width, 3, padding="same", activation="relu")(x)
+    # Down by a strided convolution, as V-Net does (TensorFlow has no
+    # float16 MaxPool3D on the CPU).
+    x = layers.Conv3D(2 * width, 2, strides=2, activation="relu")(skip)
+    x = layers.Conv3D(2 * width, 3, padding="same", activation="relu")(x)
+    x = layers.Conv3DTranspose(width, 2, strides=2)(x)
+    x = layers.Concatenate()([x, skip])
+    x = layers.Conv3D(width, 3, padding="same", activation="relu")(x)
+    outputs = layers.Conv3D(1, 1, activation="sigmoid", dtype="float32")(x)
+    return keras.Model(inputs, outputs)
+
+
+def pixel_loss(reduction):
+    """Binary cross-entropy per pixel, averaged or summed over each
+    example's pixels."""
+
+    def loss(y_true, y_pred):
+        per_pixel = keras.losses.binary_crossentropy(y_true, y_pred)
+        axes = list(range(1, len(per_pixel.shape)))
+        if reduction == "sum":
+            return tf.reduce_sum(per_pixel, axis=axes)
+        return tf.reduce_mean(per_pixel, axis=axes)
+
+    return loss
 
 
 def _tokens(batch=16, length=12, vocabulary=50, classes=5, seed=0):
