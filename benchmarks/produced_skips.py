@@ -53,33 +53,6 @@ RUNS = ("float32", "keras", "tf_als")
 MODELS = ("unet", "detector", "conv3d")
 
 
-def _masks(rng, shape):
-    """Gaussian inputs of `shape` (channels last) and the sign of their
-    channel sum smoothed over the spatial axes, as a float mask."""
-    x = rng.normal(size=shape).astype("float32")
-    box = np.ones(9) / 9
-    smooth = x.sum(-1)
-    for axis in range(1, smooth.ndim):
-        smooth = np.apply_along_axis(lambda r: np.convolve(r, box, "same"), axis, smooth)
-    return x, (smooth > 0).astype("float32")[..., None]
-
-
-def data(model, size, steps, batch):
-    """(x, y) for `steps * batch` examples of `model`."""
-    rng = np.random.default_rng(0)
-    count = steps * batch
-    if model == "unet":
-        return _masks(rng, (count, size, size, 3))
-    if model == "conv3d":
-        return _masks(rng, (count, size, size, size, 1))
-    x = rng.normal(size=(count, size, size, 3)).astype("float32")
-    anchors = architectures.anchor_count(size)
-    labels = np.where(rng.random((count, anchors)) < 0.03, rng.integers(1, architectures.CLASSES, (count, anchors)), 0)
-    offsets = rng.normal(0.0, 1.0, (count, anchors, 4)) * (labels > 0)[..., None]
-    # One target array: the class id, then the four box offsets.
-    return x, np.concatenate([labels[..., None], offsets], axis=-1).astype("float32")
-
-
 def loss_of(args):
     if args.model == "detector":
         return architectures.detection_loss(normalise=args.loss == "mean")
@@ -137,7 +110,7 @@ def main(argv=None):
     unknown = sorted(set(runs) - set(RUNS))
     if unknown:
         parser.error(f"--runs: unknown {unknown}; choose from {list(RUNS)}")
-    x, y = data(args.model, args.size, args.steps, args.batch)
+    x, y = architectures.overflow_data(args.model, args.size, args.steps * args.batch)
     weights = build(args, "float32").get_weights()
     print(f"tf_als {tf_als.__version__} from {os.path.dirname(tf_als.__file__)}")
     print("| model | input | batch | loss | XLA | run | skipped | final S | final loss | s |")

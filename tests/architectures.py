@@ -264,6 +264,35 @@ def pixel_loss(reduction):
     return loss
 
 
+def _masks(rng, shape):
+    """Gaussian inputs of `shape` (channels last) and the sign of their
+    channel sum smoothed over the spatial axes, as a float mask."""
+    x = rng.normal(size=shape).astype("float32")
+    box = np.ones(9) / 9
+    smooth = x.sum(-1)
+    for axis in range(1, smooth.ndim):
+        smooth = np.apply_along_axis(lambda r: np.convolve(r, box, "same"), axis, smooth)
+    return x, (smooth > 0).astype("float32")[..., None]
+
+
+def overflow_data(model, size, count, seed=0):
+    """(x, y): `count` Gaussian examples for `model` ("unet", "detector"
+    or "conv3d") of `size` px. The segmenters' masks are learnable from
+    the inputs (`_masks`); the detector's anchors are matched at random
+    (3%, a random class and box offsets each)."""
+    rng = np.random.default_rng(seed)
+    if model == "unet":
+        return _masks(rng, (count, size, size, 3))
+    if model == "conv3d":
+        return _masks(rng, (count, size, size, size, 1))
+    x = rng.normal(size=(count, size, size, 3)).astype("float32")
+    anchors = anchor_count(size)
+    labels = np.where(rng.random((count, anchors)) < 0.03, rng.integers(1, CLASSES, (count, anchors)), 0)
+    offsets = rng.normal(0.0, 1.0, (count, anchors, 4)) * (labels > 0)[..., None]
+    # One target array: the class id, then the four box offsets.
+    return x, np.concatenate([labels[..., None], offsets], axis=-1).astype("float32")
+
+
 def _tokens(batch=16, length=12, vocabulary=50, classes=5, seed=0):
     rng = np.random.default_rng(seed)
     x = rng.integers(0, vocabulary, size=(batch, length)).astype("int32")

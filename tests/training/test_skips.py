@@ -86,7 +86,7 @@ def _compare(build, loss, batches, **optimizer_kwargs):
         assert als_scale >= keras_scale / 2.0, what
     else:
         assert als_scale >= keras_scale, what
-    return model, optimizer
+    return model, optimizer, keras_skips
 
 
 def _query_key_errors(model, optimizer, build, loss, x, y):
@@ -155,7 +155,7 @@ def test_post_ln_transformer_skips_no_more_than_keras(mixed, weight):
     x, y = architectures.post_ln_tokens(300 if weight == 1.0 else 100)
     batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
     loss = _Weighted(weight)
-    model, optimizer = _compare(architectures.post_ln_transformer, loss, batches)
+    model, optimizer, _ = _compare(architectures.post_ln_transformer, loss, batches)
     # At the trained weights, on held-out batches, the attention's query
     # and key kernels (whose gradients pass through the softmax's, the
     # smallest in the model) get float32's gradient within 1%. Measured
@@ -187,9 +187,17 @@ def test_post_ln_transformer_skips_no_more_than_keras(mixed, weight):
         _check_lift(model)
 
 
+# DenseNet121 (5 minutes here) left this test for the models below, where
+# weight-gradient sums overflow; its concatenations stay covered by the
+# oracle (tests/test_oracle.py) and the backward search
+# (tests/failures/test_promote_backward.py).
+_NOT_HERE = ("densenet121",)
+
+
 def _case_params():
     for case in architectures.ALL_CASES:
-        yield pytest.param(case, id=case.name)
+        if case.name not in _NOT_HERE:
+            yield pytest.param(case, id=case.name)
 
 
 @pytest.mark.slow
@@ -203,6 +211,66 @@ def test_every_model_skips_no_more_than_keras(mixed, case):
         x, y = tuple(x), tuple(y)
     batches = tf.data.Dataset.from_tensors((x, y)).repeat(12 if case.slow else 30)
     _compare(case.build, case.loss, batches)
+
+
+def _largest_finite_plain(model, loss, batches, below):
+    """The largest power of two at most `below` at which the plain model's
+    float16 gradients (Keras's single scale) are finite on every batch."""
+    scale = below
+    while scale > 1.0:
+        finite = True
+        for x, y in batches:
+            with tf.GradientTape() as tape:
+                value = tf.reduce_mean(loss(y, model(x, training=True))) * scale
+            grads = tape.gradient(value, model.trainable_variables)
+            if not all(bool(tf.reduce_all(tf.math.is_finite(g))) for g in grads):
+                finite = False
+                break
+        if finite:
+            return scale
+        scale /= 2.0
+    return scale
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name, size, batch",
+    [("unet", 32, 8), ("detector", 64, 8), ("conv3d", 16, 4)],
+    ids=["unet_32", "detector_64", "conv3d_16"],
+)
+def test_where_weight_gradient_sums_overflow(mixed, name, size, batch):
+    """Issue 39's models with their losses summed over pixels, voxels or
+    anchors, not averaged (`benchmarks/produced_skips.py` measures them at
+    full size): every gradient is large and a convolution's weight
+    gradients sum it again over batch x positions. 12 steps each; Keras's
+    skips are the premise. tf_als skips no more steps than Keras.
+
+    Its final global scale is compared with what its own weights allow:
+    a run that skips fewer steps has trained further, and its gradients
+    may have grown past Keras's scale (measured on the 3D segmenter: Keras
+    skipped 5 steps and ended at 2**10; tf_als skipped 3 and ended at
+    2**8, and at its final weights Keras's single scale overflows 4 of the
+    12 batches at 2**10 and 1 at 2**9). It must end no more than one power
+    of two below the largest scale at which Keras's plain float16 pass is
+    finite at those weights on every batch."""
+    builders = {
+        "unet": lambda: architectures.unet(size, levels=3, width=8),
+        "detector": lambda: architectures.detector(size, width=8),
+        "conv3d": lambda: architectures.conv3d(size, width=4),
+    }
+    loss = (
+        architectures.detection_loss(normalise=False)
+        if name == "detector" else architectures.pixel_loss("sum")
+    )
+    x, y = architectures.overflow_data(name, size, 12 * batch)
+    batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+    keras_skips, keras_scale, _, _ = _run(builders[name], loss, batches, False)
+    als_skips, als_scale, model, _ = _run(builders[name], loss, batches, True)
+    what = f"keras: {keras_skips} skipped, S = {keras_scale}; tf_als: {als_skips}, S = {als_scale}"
+    assert keras_skips >= 1, what  # The premise: the sums overflow Keras's scale.
+    assert als_skips <= keras_skips, what
+    allowed = _largest_finite_plain(model.uninstrumented(), loss, batches, 2.0**15)
+    assert als_scale >= min(keras_scale, allowed) / 2.0, (what, allowed)
 
 
 def _convnext_tiny():
