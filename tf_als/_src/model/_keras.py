@@ -644,3 +644,18 @@ def print_message(message) -> None:
         print(message)
     else:
         absl_logging.info(message)
+
+
+def recorded_by_a_tape(values) -> bool:
+    """Whether an active `tf.GradientTape` records operations on any of
+    `values` (tensors or variables): a backward pass run now is itself
+    being differentiated (a gradient taken inside an outer tape's block,
+    as a gradient penalty takes it). Decided at trace time. A first-order
+    `tape.gradient` runs after its tape's block (Keras's train step, the
+    guides' loops) or pops its own non-persistent tape, so it is not.
+    TensorFlow 2.21's `tensorflow.python.eager.record`."""
+    from tensorflow.python.eager import record
+
+    handles = [v.handle if hasattr(v, "handle") else v for v in values]
+    handles = [h for h in handles if tf.is_tensor(h)]
+    return bool(handles) and record.should_record_backprop(handles)

@@ -35,7 +35,6 @@ the outer gradient; both runs use the same scales.
 
 import tensorflow as tf
 from keras import tree
-from tensorflow.python.eager import record as tape_record
 
 from tf_als._src.model import _keras
 from tf_als._src.training import algebra
@@ -197,7 +196,7 @@ class Backward:
                     upstream, [self.carried.slot(call.outputs[i]) for i in floats]
                 )
             ]
-            again = _differentiated_again(xs, variables)
+            again = _keras.recorded_by_a_tape(list(xs) + list(variables))
             scale = self._scale(call.point, upstream, common, again)
             scale_in = scale * common
             self.carried.point_scales[call.index] = scale_in
@@ -235,7 +234,7 @@ class Backward:
                 for y, dy in zip(ys, upstream)
             ]
             scale_out = self._interior.get(parent, 1.0)
-            again = _differentiated_again(xs, variables)
+            again = _keras.recorded_by_a_tape(list(xs) + list(variables))
             scale = self._scale(point, upstream, scale_out, again)
             scale_in = scale * scale_out
             self._input_scales[point] = scale_out
@@ -435,18 +434,6 @@ class Backward:
                 self.config.overflow_margin,
             ))
         return self._limits[graph]
-
-
-def _differentiated_again(xs, variables) -> bool:
-    """Whether a tape records the backward pass about to run on a call with
-    inputs `xs` and `variables` (a gradient taken inside an outer tape's
-    block, to be differentiated again). Decided at trace time. A first-order
-    `tape.gradient` runs after its tape's block (Keras's train step, the
-    guides' loops) or pops its own non-persistent tape, so it is not."""
-    watched = [t for t in list(xs) + list(variables) if tf.is_tensor(t) or hasattr(t, "handle")]
-    return bool(watched) and tape_record.should_record_backprop(
-        [v.handle if hasattr(v, "handle") else v for v in watched]
-    )
 
 
 def _replicas_in_sync() -> int:
