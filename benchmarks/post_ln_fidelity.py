@@ -25,7 +25,6 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-import tf_als  # noqa: E402
 from tests import architectures  # noqa: E402
 from tests import gradients  # noqa: E402
 
@@ -36,8 +35,18 @@ VARIANTS = (
     ("wider, longer: 128 wide, 8 heads, 64 tokens", 2, 128, 8, 64, 150, 1.0),
     ("short sequences, loss x0.01", 3, 96, 4, 16, 300, 0.01),
     ("6 thin blocks, 100 steps", 6, 32, 2, 32, 100, 1.0),
+    ("the suite's own, loss x0.01", 2, 64, 4, 32, 300, 0.01),
+    ("128 tokens, loss x0.001", 2, 64, 4, 128, 150, 0.001),
 )
 
+
+
+def _tf_als():
+    """tf_als, imported from `--tf-als` when given (another version's
+    checkout: its package, with this checkout's models and tests)."""
+    import tf_als
+
+    return tf_als
 
 def _loss(weight):
     def loss(y, logits):
@@ -60,8 +69,8 @@ def _train(spec, margin):
     if margin is None:
         optimizer = keras.optimizers.LossScaleOptimizer(inner)
     else:
-        model = tf_als.instrument(model)
-        optimizer = tf_als.AdaptiveLossScaleOptimizer(
+        model = _tf_als().instrument(model)
+        optimizer = _tf_als().AdaptiveLossScaleOptimizer(
             inner, overflow_margin=2.0**margin, max_consecutive_skips=None
         )
     x, y = architectures.post_ln_tokens(steps, length=length)
@@ -75,7 +84,9 @@ def _worst_error(spec, model, optimizer, margin):
     """The worst relative error of a query or key kernel gradient over two
     held-out batches, at the trained weights."""
     _, blocks, width, heads, length, _, weight = spec
-    plain = model.uninstrumented() if margin is not None else model
+    plain = model
+    if margin is not None:  # 0.5's instrumented model held it as `.model`.
+        plain = model.uninstrumented() if hasattr(model, "uninstrumented") else model.model
     keras.mixed_precision.set_global_policy("float32")
     reference = _build(blocks, width, heads, length)
     keras.mixed_precision.set_global_policy("mixed_float16")
@@ -102,17 +113,22 @@ def _recorder(optimizer, margin):
     gradients it would apply."""
     if margin is None:
         return keras.optimizers.LossScaleOptimizer(gradients.GradientRecorder())
-    return tf_als.AdaptiveLossScaleOptimizer(
+    return _tf_als().AdaptiveLossScaleOptimizer(
         gradients.GradientRecorder(), overflow_margin=2.0**margin, max_consecutive_skips=None
     )
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tf-als", default=None, help="a checkout of another tf_als version to measure")
     parser.add_argument("--margins", default="12", help="log2 of overflow_margin, comma-separated")
     parser.add_argument("--variants", default="", help="indices into VARIANTS (default all)")
     parser.add_argument("--no-keras", action="store_true")
     args = parser.parse_args()
+    if args.tf_als:
+        sys.path.insert(0, os.path.abspath(args.tf_als))
+    tf_als = _tf_als()
+    print(f"tf_als {tf_als.__version__} from {os.path.dirname(tf_als.__file__)}")
     margins = [int(m) for m in args.margins.split(",")]
     chosen = [VARIANTS[int(i)] for i in args.variants.split(",")] if args.variants else VARIANTS
     print("| variant | run | skipped | final S | worst q/k relative error |")

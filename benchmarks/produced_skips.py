@@ -24,12 +24,13 @@ averaged makes every gradient larger.
 
 Adam 1e-3, one epoch. Each row prints the skipped steps (those the inner
 optimizer did not apply), the final global scale and the final loss. To
-measure another version of tf_als, put its checkout first on PYTHONPATH.
+measure another version of tf_als, pass its checkout as `--tf-als`.
 
     python benchmarks/produced_skips.py                      # U-Net, 128 px, 60 steps, XLA
     python benchmarks/produced_skips.py --size 256 --steps 30 --xla off
     python benchmarks/produced_skips.py --model detector --size 256 --steps 30
     python benchmarks/produced_skips.py --model conv3d --size 32 --batch 4
+    python benchmarks/produced_skips.py --runs tf_als --tf-als ../tf_als-0.5
 """
 
 import argparse
@@ -44,7 +45,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-import tf_als  # noqa: E402
 from tests import architectures  # noqa: E402
 
 RUNS = ("float32", "keras", "tf_als")
@@ -52,6 +52,14 @@ RUNS = ("float32", "keras", "tf_als")
 
 MODELS = ("unet", "detector", "conv3d")
 
+
+
+def _tf_als():
+    """tf_als, imported from `--tf-als` when given (another version's
+    checkout: its package, with this checkout's models and tests)."""
+    import tf_als
+
+    return tf_als
 
 def loss_of(args):
     if args.model == "detector":
@@ -81,8 +89,8 @@ def run(name, weights, x, y, args):
     if name == "keras":
         optimizer = keras.optimizers.LossScaleOptimizer(inner)
     elif name == "tf_als":
-        model = tf_als.instrument(model)
-        optimizer = tf_als.AdaptiveLossScaleOptimizer(inner)
+        model = _tf_als().instrument(model)
+        optimizer = _tf_als().AdaptiveLossScaleOptimizer(inner)
     model.compile(optimizer=optimizer, loss=loss_of(args), jit_compile=args.xla == "on")
     keras.utils.set_random_seed(1)
     start = time.perf_counter()
@@ -95,6 +103,7 @@ def run(name, weights, x, y, args):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tf-als", default=None, help="a checkout of another tf_als version to measure")
     parser.add_argument("--model", choices=MODELS, default="unet")
     parser.add_argument("--loss", choices=("mean", "sum"), default="mean")
     parser.add_argument("--size", type=int, default=128)
@@ -104,6 +113,8 @@ def main(argv=None):
     parser.add_argument("--xla", choices=("on", "off"), default="on")
     parser.add_argument("--runs", default=",".join(RUNS))
     args = parser.parse_args(argv)
+    if args.tf_als:
+        sys.path.insert(0, os.path.abspath(args.tf_als))
     if args.width is None:
         args.width = 8 if args.model == "conv3d" else 16
     runs = args.runs.split(",")
@@ -112,6 +123,7 @@ def main(argv=None):
         parser.error(f"--runs: unknown {unknown}; choose from {list(RUNS)}")
     x, y = architectures.overflow_data(args.model, args.size, args.steps * args.batch)
     weights = build(args, "float32").get_weights()
+    tf_als = _tf_als()
     print(f"tf_als {tf_als.__version__} from {os.path.dirname(tf_als.__file__)}")
     print("| model | input | batch | loss | XLA | run | skipped | final S | final loss | s |")
     print("| --- | --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: |")
