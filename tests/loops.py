@@ -14,6 +14,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tests import failure_cases
+
 LATENT = 4
 FEATURES = 8
 
@@ -107,31 +109,16 @@ def pixel_generator(seed=0):
     return keras.Model(z, x, name="pixel_gen")
 
 
-class HandInstanceNorm(keras.layers.Layer):
-    """Instance normalisation written by hand in the layer's compute dtype
-    (WGAN-GP's critic avoids batch normalisation): on float16 maps of
-    pixel-scale activations the mean of squares overflows, and the layer
-    outputs a map of zeros."""
-
-    def build(self, input_shape):
-        channels = input_shape[-1]
-        self.gamma = self.add_weight(shape=(channels,), initializer="ones", name="gamma")
-        self.beta = self.add_weight(shape=(channels,), initializer="zeros", name="beta")
-
-    def call(self, x):
-        mean = tf.reduce_mean(x, axis=[1, 2], keepdims=True)
-        variance = tf.reduce_mean(tf.square(x - mean), axis=[1, 2], keepdims=True)
-        normalised = (x - mean) * tf.math.rsqrt(variance + 1e-5)
-        return normalised * tf.cast(self.gamma, x.dtype) + tf.cast(self.beta, x.dtype)
-
-
 def normalised_critic(seed=0):
     """A critic with a hand-written instance normalisation after its
     convolution, a float32 linear score."""
     keras.utils.set_random_seed(seed)
     image = keras.Input((IMAGE, IMAGE, 1))
     x = keras.layers.Conv2D(16, 3, padding="same")(image)
-    x = HandInstanceNorm(name="norm")(x)
+    # Instance normalisation written by hand in the compute dtype (WGAN-GP's
+    # critic avoids batch normalisation): on float16 maps of pixel-scale
+    # activations its mean of squares overflows, and it outputs zeros.
+    x = failure_cases.HandInstanceNorm(name="norm")(x)
     x = keras.layers.LeakyReLU(0.2)(x)
     x = keras.layers.Flatten()(x)
     out = keras.layers.Dense(1, dtype="float32")(x)
