@@ -244,7 +244,10 @@ def test_a_gradient_penalty_gives_the_optimizer_float32s_gradient(mode):
     The criterion of tests/test_oracle.py: norm ratio and cosine against
     float32, and a relative error no worse than twice Keras's plus float16
     rounding."""
-    batch = loops.data(16)
+    # Tensors, as `fit` hands a step its batch. With numpy arrays, one slow
+    # run (xdist worker order of 2026-12-04) failed tracing `real + ...`
+    # under XLA ("Cannot convert a symbolic tf.Tensor"); alone it passes.
+    batch = {k: tf.constant(v) for k, v in loops.data(16).items()}
     gradients = {}
     for variant in VARIANTS:
         gan = _gan(variant, penalty=10.0)
