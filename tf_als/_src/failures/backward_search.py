@@ -65,6 +65,7 @@ class Forward:
         y_pred: the model's outputs (a `StepLoss`'s: those of every call
             of `model`, in a list).
         loss: the loss, float32 (None without `loss_fn`).
+        from_step: whether the loss is a `StepLoss`'s.
 
     Example:
 
@@ -99,7 +100,7 @@ class Forward:
                     loss = None if loss_fn is None else loss_fn(x, y, self.y_pred, sample_weight)
                 if loss is not None:
                     self.loss = tf.cast(loss, tf.float32)
-        self._step_loss = isinstance(loss_fn, StepLoss)
+        self.from_step = isinstance(loss_fn, StepLoss)
         self._found = {}  # scale -> Finding or None
         self._amax = {}  # scale -> float16 amax of a finite backward pass
         self._gains = {}  # scale -> {id(layer): gain} of a finite one
@@ -107,7 +108,7 @@ class Forward:
     @property
     def targets(self):
         """The batch's targets (None for a `StepLoss`'s batch)."""
-        return None if self._step_loss else self.batch[1]
+        return None if self.from_step else self.batch[1]
 
     @property
     def own_calls(self) -> list:

@@ -235,7 +235,7 @@ def _forward_failures(forward, loss_fn) -> list:
                 if reason is not None:
                     findings.append(Finding(nonfinite.layer_path(layer), reason))
     findings += _unreachable_targets(forward.calls, forward.y_pred, forward.targets)
-    if loss_fn is not None and not isinstance(loss_fn, backward_search.StepLoss) and not findings:
+    if loss_fn is not None and not forward.from_step and not findings:
         # A `StepLoss` computes its loss from the batch, not from outputs
         # that could be handed over in float32.
         findings += _loss_overflows(forward, loss_fn)
