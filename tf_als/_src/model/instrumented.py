@@ -32,7 +32,6 @@ import warnings
 import weakref
 
 import keras
-import tensorflow as tf
 from keras import tree
 
 from tf_als._src.model import _keras
@@ -43,6 +42,7 @@ from tf_als._src.model import legacy
 from tf_als._src.model import plain
 from tf_als._src.model import points as points_module
 from tf_als._src.model import runner
+from tf_als._src.model import saving
 from tf_als._src.model import training_data
 from tf_als._src.scaling import config as config_module
 from tf_als._src.training import backward
@@ -54,10 +54,6 @@ from tf_als._src.training import unscaled
 from tf_als._src.failures import promote
 from tf_als._src.failures import storm
 
-# The registered name a saved instrumented model is written with.
-REGISTERED_NAME = "tf_als>InstrumentedModel"
-# The key of tf_als's part of a saved model's build config.
-_SAVED = "tf_als"
 
 
 def make(model: keras.Model, float32_outputs: bool = False) -> "InstrumentedModel":
@@ -118,11 +114,11 @@ class _Forward:
 
     def get_build_config(self):
         config = dict(super().get_build_config() or {})
-        config[_SAVED] = self._saved_state()
+        config[saving.SAVED] = self._saved_state()
         return config
 
     def build_from_config(self, config):
-        config = {k: v for k, v in (config or {}).items() if k != _SAVED}
+        config = {k: v for k, v in (config or {}).items() if k != saving.SAVED}
         if not self.built:
             super().build_from_config(config)
 
@@ -133,7 +129,7 @@ class _Forward:
 
 
 @keras.saving.register_keras_serializable(package="tf_als")
-class InstrumentedModel(_keras.CheckpointOnly, keras.Model):
+class InstrumentedModel(saving.Saving, _keras.CheckpointOnly, keras.Model):
     """A model run with per-layer adaptive loss scales.
 
     Made by `tf_als.instrument(model)`, never directly: it is an instance
@@ -367,108 +363,6 @@ class InstrumentedModel(_keras.CheckpointOnly, keras.Model):
     def _compiled_loss(self, y, y_pred, sample_weight=None):
         return self.compute_loss(y=y, y_pred=y_pred, sample_weight=sample_weight)
 
-    # -- serving and saving ----------------------------------------------
-
-    def export(
-        self, filepath, format="tf_saved_model", verbose=None, input_signature=None, **kwargs
-    ):
-        """`keras.Model.export` of the original model, which shares this
-        model's layers and weights and computes the same outputs, bit for
-        bit: scaling points exist for training only, so the artifact has
-        no custom gradients and loads without tf_als.
-
-        A SavedModel (the default format) is written as `model.export`
-        writes it, endpoint `serve`; with `verbose` None or True, one line
-        names the endpoint and its signature (Keras adds a line per
-        captured variable: dozens for a real model), False prints nothing.
-        Other formats are the original model's `export` as it is.
-
-        Example:
-
-        ```python
-        model.fit(x, y)
-        model.export("serving")                   # after training
-        reloaded = tf.saved_model.load("serving")  # tf_als not needed
-        reloaded.serve(x)                          # == model.predict(x)
-        ```
-        """
-        original = self._tf_als_original
-        if format != "tf_saved_model":
-            return original.export(
-                filepath, format=format, verbose=verbose,
-                input_signature=input_signature, **kwargs,
-            )
-        if input_signature is None:
-            input_signature = _keras.export_input_signature(original)
-        archive = keras.export.ExportArchive()
-        endpoint = archive.track_and_add_endpoint(
-            "serve", original, input_signature, **kwargs
-        )
-        archive.write_out(filepath, verbose=False)
-        if verbose is None or verbose:
-            signature = endpoint.get_concrete_function().pretty_printed_signature(
-                verbose=False
-            )
-            _keras.print_message(
-                f"Saved artifact at '{filepath}', endpoint 'serve': {signature}"
-            )
-
-    @property
-    def _default_save_signature(self):
-        # `tf.saved_model.save(model, path)` serves the original model's
-        # forward pass with the signature `export` gives it (tracing this
-        # model's call would save custom gradients).
-        original = self._tf_als_original
-        specs = _keras.serving_specs(original)
-
-        @tf.function(input_signature=specs)
-        def serving_default(*inputs):
-            return original(*inputs, training=False)
-
-        return serving_default
-
-    def save(self, filepath, overwrite=True, zipped=None, **kwargs):
-        """`keras.Model.save`, written so that `keras.models.load_model`
-        rebuilds the instrumented model where tf_als is imported (scales,
-        promotions and optimizer state included) and the user's model,
-        with its weights, where it is not (`compile=False`: the optimizer
-        is tf_als's). Saved by `keras.saving.save_model(model, ...)`
-        instead, the file is the user's model and loads as one (with its
-        tf_als optimizer) everywhere.
-
-        Example:
-
-        ```python
-        model.fit(x, y)
-        model.save("run.keras")
-        keras.models.load_model("run.keras")   # instrumented, resumes exactly
-        # without tf_als: keras.models.load_model("run.keras", compile=False)
-        ```
-        """
-        with _keras.serialized_as(type(self), REGISTERED_NAME):
-            return super().save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
-
-    def compile_from_config(self, config):
-        # Keras skips compiling on load when `compile` is overridden; ours
-        # wraps the optimizer, so compile as Keras would and build the
-        # optimizer, whose saved variables (global scale, counters, slots)
-        # are loaded next.
-        config = keras.saving.deserialize_keras_object(config)
-        self.compile(**config)
-        if self.built and getattr(self, "optimizer", None) is not None:
-            self.optimizer.build(self.trainable_variables)
-
-    def _saved_state(self) -> dict:
-        """tf_als's part of the saved build config: what `from_config`
-        needs besides the user's model (which `registered_name` the user's
-        class loads by, the promotions, `float32_outputs`)."""
-        original = self._tf_als_original
-        return {
-            "registered_name": keras.saving.get_registered_name(type(original)),
-            "promotions": [p.as_dict() for p in self.promotions],
-            "float32_outputs": self.float32_outputs,
-        }
-
     @classmethod
     def from_config(cls, config, custom_objects=None):
         """The instrumented model a `.keras` file holds: the user's model,
@@ -481,36 +375,16 @@ class InstrumentedModel(_keras.CheckpointOnly, keras.Model):
 
         Raises:
             ValueError: `config` is not part of a whole saved config (see
-                `_user_model`).
+                `saving.user_model`).
         """
         old = legacy.is_legacy(config)
-        read = legacy.user_model if old else _user_model
+        read = legacy.user_model if old else saving.user_model
         model, saved = read(config, custom_objects)
         instrumented = make(model, float32_outputs=saved["float32_outputs"])
         promote.restore(instrumented, saved["promotions"])
         if old:
             legacy.mark(instrumented)
         return instrumented
-
-
-def _user_model(config, custom_objects):
-    """(the user's model, tf_als's saved part) of a `.keras` file's model
-    whose inner config is `config`."""
-    try:
-        whole = _keras.deserializing(config)
-    except LookupError:
-        raise ValueError(
-            "InstrumentedModel.from_config() rebuilds a model saved by "
-            "tf_als from a whole saved config; load the file with "
-            "`keras.models.load_model`, or instrument the model: "
-            "`tf_als.instrument(type(model).from_config(config))`."
-        ) from None
-    build_config = dict(whole.get("build_config") or {})
-    saved = build_config.pop(_SAVED)
-    user = dict(whole, registered_name=saved["registered_name"], build_config=build_config)
-    user.pop("compile_config", None)
-    model = keras.saving.deserialize_keras_object(user, custom_objects=custom_objects)
-    return model, saved
 
 
 def _hook(model, records) -> tuple:
