@@ -320,8 +320,8 @@ def test_every_rule_function_serves_the_library():
     unused = sorted(f.name for f in public if f.name not in used)
     assert unused == [], f"rule functions no library code reaches: {unused}"
     # The per-step rule is composed where the points choose.
-    _, backward = modules["_src.training.backward"]
-    assert {"amax_of", "headroom", "scale_within"} <= _called_names(backward)
+    _, choice = modules["_src.training.choice"]
+    assert {"amax_of", "headroom", "scale_within"} <= _called_names(choice)
 
 
 def test_rule_usage_finder_sees_attribute_reads():

@@ -434,7 +434,7 @@ def test_statistics_single_element(run):
 
 
 def choose(amax, max_layer_scale, margin, backoff=1.0, inherited=1.0):
-    """The scale a point chooses, composed exactly as `Backward._scale`
+    """The scale a point chooses, composed exactly as `choice.Choice.scale`
     composes the rule's functions (`headroom` once per pass, then
     `scale_within` per point)."""
     return rule.scale_within(

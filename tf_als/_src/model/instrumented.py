@@ -266,7 +266,7 @@ class InstrumentedModel(saving.Saving, _keras.CheckpointOnly, keras.Model):
             inputs = args[0] if args else kwargs.get("inputs")
             outputs = runner.run(self._plan, back, inputs, training, kwargs.get("mask"))
         if training:
-            back.measure_forward()
+            back.choice.finish()
         return self._for_the_loss(outputs, training)
 
     def _for_the_loss(self, outputs, training):

@@ -14,18 +14,11 @@ same multiply where a variable's whole gradient is one call's product
 (`unscaled`).
 
 Each point chooses its scale inside its gradient function, from the
-gradient it is about to scale (`rule.amax_of`, `rule.headroom` once per
-pass for every point, lowered by the gain its weight gradients showed
-on its last steps, `rule.produced_headroom`; `rule.scale_within`: the rule's own functions, with the knobs
-of the model's `config.ScalingConfig` and the global scale's back-off and
-the gains from its state): one max-reduction and a few scalar ops per
-point, no branch, and no variable written. What it chose and a sample
-of what it saw go to the model's `pass_record.PassRecord`, which the
-optimizer that applies the gradients writes into the state, with the
-forward headroom of the point's float16 outputs (measured in a branch of
-the point's own, as soon as it has run, on telemetry steps only). Under the
-paper's rule (`rule="paper"`) a point re-chooses only when the state says
-an update is due, and otherwise applies the scale in the state.
+gradient it is about to scale (`choice.Choice`). What it chose and a
+sample of what it saw go to the model's `pass_record.PassRecord`, which
+the optimizer that applies the gradients writes into the state, with the
+forward headroom of the point's float16 outputs (measured as soon as the
+point has run, on telemetry steps only).
 
 Each point's own backward runs on a persistent tape kept from the forward
 pass, so the gradient function can run twice: once for a gradient the
@@ -37,12 +30,10 @@ import tensorflow as tf
 from keras import tree
 
 from tf_als._src.model import _keras
-from tf_als._src.training import algebra
-from tf_als._src.scaling import config as config_module
 from tf_als._src.model import hooks
+from tf_als._src.training import algebra
+from tf_als._src.training import choice
 from tf_als._src.training import pass_record
-from tf_als._src.scaling import rule
-from tf_als._src.training import unscaled
 
 
 class Backward:
@@ -57,13 +48,11 @@ class Backward:
         points: the model's `points.Point`s, in row order (of those, the
             ones that are not calls of the plan are run by `hooks` and
             `wrap_inner_call`).
-        config: the `config.ScalingConfig` the points choose with.
-        record: the model's `pass_record.PassRecord`, where each
-            point leaves its choice.
-        synchronized: indices of the points whose own backward sums
-            gradients across replicas (synchronized BatchNormalization):
-            with several replicas their gradients must carry the same scale
-            on every replica, so they take T_in = 1 there.
+        config, record, synchronized: what the points choose with, where
+            they leave it, and which take T_in = 1 across replicas (see
+            `choice.Choice`).
+        training: whether the pass trains (the forward headroom is
+            measured only then).
     """
 
     def __init__(
@@ -72,11 +61,9 @@ class Backward:
     ):
         self.plan = plan
         self.training = bool(training)
-        self.state = state
         self.unscaled = unscaled
-        self.config = config_module.ScalingConfig() if config is None else config
         self.record = pass_record.PassRecord() if record is None else record
-        self.synchronized = frozenset(synchronized)
+        self.choice = choice.Choice(state, config, self.record, synchronized)
         self.carried = algebra.CarriedScales(plan)
         # (enclosing point, id(layer)) -> inner point index, and each inner
         # point's enclosing point (None for a subclassed model's root).
@@ -85,11 +72,7 @@ class Backward:
         self._parents = {p.index: p.parent for p in inner}
         self._interior = {}  # point -> T_in, the scale of its interior
         self._handled = {}  # point -> ids of variables unscaled inside it
-        self._used = {}  # point -> scale used in this pass
         self._input_scales = {}  # point -> T its input gradients carry
-        self._limits = {}  # graph (None: eager) -> every point's headroom
-        self._forward = {}  # point -> its forward headroom, [2]
-        self._due = {}  # graph (None: eager) -> whether it is a telemetry step
 
     # -- the three custom-gradient identities ------------------------------
 
@@ -197,7 +180,7 @@ class Backward:
                 )
             ]
             again = _keras.recorded_by_a_tape(list(xs) + list(variables))
-            scale = self._scale(call.point, upstream, common, again)
+            scale = self.choice.scale(call.point, upstream, common, again)
             scale_in = scale * common
             self.carried.point_scales[call.index] = scale_in
             self._input_scales[call.point] = scale_in
@@ -235,7 +218,7 @@ class Backward:
             ]
             scale_out = self._interior.get(parent, 1.0)
             again = _keras.recorded_by_a_tape(list(xs) + list(variables))
-            scale = self._scale(point, upstream, scale_out, again)
+            scale = self.choice.scale(point, upstream, scale_out, again)
             scale_in = scale * scale_out
             self._input_scales[point] = scale_out
             input_grads, variable_grads = self._inside(
@@ -294,8 +277,8 @@ class Backward:
         if not isinstance(ys, (list, tuple)):
             ys = [ys]
         halves = [y for y in ys if y.dtype == tf.float16]
-        if self.training and halves and point not in self._forward:
-            self._forward[point] = self._measure_forward(halves)
+        if self.training and halves:
+            self.choice.measure_forward(point, halves)
         outputs = list(tree.flatten(results["outputs"]))
         for i, y in zip(results["floats"], ys):
             _keras.copy_mask(outputs[i], y)
@@ -345,100 +328,6 @@ class Backward:
                 ),
             )
         return grads[: len(xs)], variable_grads
-
-    def _scale(self, point, upstream, scale_out, again=False):
-        """The point's scale s_n, chosen from `upstream`, the gradients it
-        is about to scale (which carry `scale_out`), and recorded. A layer
-        called several times inside one enclosing call is one inner point:
-        the first of its calls to run backwards chooses.
-
-        `again`: this backward pass runs under a tape that records it (a
-        gradient penalty's inner gradient, of the unscaled score). Its
-        gradients carry no global scale, so the rule would lift them S
-        times too far, and the outer gradient of the penalty reaches the
-        weights through them carrying S on top: T_in = 1, as Keras's
-        plain pass (measured on WGAN-GP critics: up to 5 skipped steps
-        where Keras skipped 1)."""
-        if point in self._used:
-            return self._used[point]
-        config = self.config
-        scale_out = tf.cast(scale_out, tf.float32)
-        amax = rule.amax_of(upstream)
-        if again:
-            scale = tf.math.reciprocal(scale_out)
-        elif point in self.synchronized and _replicas_in_sync() > 1:
-            # Every replica chooses its own scales, so T_out differs between
-            # them; a layer that sums its gradients across replicas inside
-            # its own backward must see the same scale everywhere: T_in = 1,
-            # the global scale alone, as Keras's (docs/distributed.md).
-            scale = tf.math.reciprocal(scale_out)
-        elif config.rule == "paper":
-            current = tf.gather(tf.convert_to_tensor(self.state.scales), point)
-
-            backoff = tf.convert_to_tensor(self.state.backoff)
-
-            def update():
-                return rule.choose_scale_paper(
-                    upstream, current, config.max_layer_scale,
-                    config.overflow_margin, config.underflow_rate, backoff,
-                    scale_out,
-                )
-
-            due = tf.convert_to_tensor(self.state.due) > 0
-            scale = tf.cond(due, update, lambda: current)
-        else:
-            scale = rule.scale_within(
-                amax, self._headroom()[point], config.max_layer_scale, scale_out
-            )
-        samples = tuple(rule.sample(dy) for dy in upstream)
-        self.record.put(point, pass_record.PointRecord(scale, scale_out, amax, samples))
-        self._used[point] = scale
-        return scale
-
-    def _measure_forward(self, outputs):
-        """The forward headroom of a point's float16 `outputs`
-        (`rule.forward_headroom`), in a branch that measures only when the
-        state says the coming step is a telemetry step (zeros otherwise).
-        Taken as soon as the point has run, so that no activation lives
-        longer for it than the layers after the point need it."""
-        graph = unscaled.traced_graph()
-        if graph not in self._due:
-            self._due[graph] = tf.convert_to_tensor(self.state.telemetry_next) > 0
-        with _keras.unrecorded():  # Nothing differentiates a measurement.
-            return tf.cond(
-                self._due[graph],
-                lambda: rule.forward_headroom(outputs),
-                lambda: tf.zeros([2], tf.float32),
-                name="forward_headroom",
-            )
-
-    def measure_forward(self) -> None:
-        """At the end of a training forward pass: leaves each point's
-        forward headroom (`_measure_forward`) in the pass record for
-        `update`."""
-        if self._forward:
-            self.record.put_forward(dict(self._forward))
-        self._forward = {}
-
-    def _headroom(self):
-        """Every point's headroom in this pass (a list by point): `rule.headroom`
-        (the global scale's back-off is shared) lowered by the gain of its
-        weight gradients (`rule.produced_headroom`), computed once per
-        graph."""
-        graph = unscaled.traced_graph()
-        if graph not in self._limits:
-            backoff = tf.convert_to_tensor(self.state.backoff)
-            limit = rule.headroom(self.config.overflow_margin, backoff)
-            self._limits[graph] = tf.unstack(rule.produced_headroom(
-                limit, tf.convert_to_tensor(self.state.gains),
-                self.config.overflow_margin,
-            ))
-        return self._limits[graph]
-
-
-def _replicas_in_sync() -> int:
-    context = tf.distribute.get_replica_context()
-    return 1 if context is None else context.num_replicas_in_sync
 
 
 def _substitute(args, kwargs, flat, positions, xs):

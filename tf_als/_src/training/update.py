@@ -20,7 +20,7 @@ optimizer calls `write_pass`, which
    (`rule.telemetry_tallies`),
    derives the statistics and histograms of all points at once
    (`rule.statistics_of_tallies`), adds the forward headroom the
-   forward pass measured (`backward.Backward.measure_forward`: the
+   forward pass measured (`choice.Choice.measure_forward`: the
    exact amax and near-maximum share of each point's float16 outputs) and
    writes the records: one branch for the whole model, never one per
    point.

@@ -1,0 +1,148 @@
+"""What each scaling point of one forward pass chooses: its scale, from
+the gradient it is about to scale, and the forward headroom of its float16
+outputs, both left in the model's `pass_record.PassRecord`.
+
+The scale comes from the rule's own functions (`rule.amax_of`,
+`rule.headroom` once per pass for every point, lowered by the gain its
+weight gradients showed on its last steps, `rule.produced_headroom`;
+`rule.scale_within`), with the knobs of the model's `config.ScalingConfig`
+and the global scale's back-off and the gains from its state: one
+max-reduction and a few scalar ops per point, no branch, and no variable
+written. Under the paper's rule (`rule="paper"`) a point re-chooses only
+when the state says an update is due, and otherwise applies the scale in
+the state. `backward.Backward` asks; it applies what was chosen.
+"""
+
+import tensorflow as tf
+
+from tf_als._src.model import _keras
+from tf_als._src.scaling import config as config_module
+from tf_als._src.scaling import rule
+from tf_als._src.training import pass_record
+from tf_als._src.training import unscaled
+
+
+class Choice:
+    """The choices of one forward pass's scaling points.
+
+    Args:
+        state: the model's `state.ScalingState` (row i: point i).
+        config: the `config.ScalingConfig` the points choose with (None:
+            the defaults).
+        record: the model's `pass_record.PassRecord`, where each point
+            leaves its choice.
+        synchronized: indices of the points whose own backward sums
+            gradients across replicas (synchronized BatchNormalization):
+            with several replicas their gradients must carry the same scale
+            on every replica, so they take T_in = 1 there.
+    """
+
+    def __init__(self, state, config, record, synchronized=frozenset()):
+        self.state = state
+        self.config = config_module.ScalingConfig() if config is None else config
+        self.record = record
+        self.synchronized = frozenset(synchronized)
+        self._used = {}  # point -> scale used in this pass
+        self._limits = {}  # graph (None: eager) -> every point's headroom
+        self._forward = {}  # point -> its forward headroom, [2]
+        self._due = {}  # graph (None: eager) -> whether it is a telemetry step
+
+    def scale(self, point, upstream, scale_out, again=False):
+        """The point's scale s_n, chosen from `upstream`, the gradients it
+        is about to scale (which carry `scale_out`), and recorded. A layer
+        called several times inside one enclosing call is one inner point:
+        the first of its calls to run backwards chooses.
+
+        `again`: this backward pass runs under a tape that records it (a
+        gradient penalty's inner gradient, of the unscaled score). Its
+        gradients carry no global scale, so the rule would lift them S
+        times too far, and the outer gradient of the penalty reaches the
+        weights through them carrying S on top: T_in = 1, as Keras's
+        plain pass (measured on WGAN-GP critics: up to 5 skipped steps
+        where Keras skipped 1)."""
+        if point in self._used:
+            return self._used[point]
+        config = self.config
+        scale_out = tf.cast(scale_out, tf.float32)
+        amax = rule.amax_of(upstream)
+        if again:
+            scale = tf.math.reciprocal(scale_out)
+        elif point in self.synchronized and _replicas_in_sync() > 1:
+            # Every replica chooses its own scales, so T_out differs between
+            # them; a layer that sums its gradients across replicas inside
+            # its own backward must see the same scale everywhere: T_in = 1,
+            # the global scale alone, as Keras's (docs/distributed.md).
+            scale = tf.math.reciprocal(scale_out)
+        elif config.rule == "paper":
+            current = tf.gather(tf.convert_to_tensor(self.state.scales), point)
+
+            backoff = tf.convert_to_tensor(self.state.backoff)
+
+            def update():
+                return rule.choose_scale_paper(
+                    upstream, current, config.max_layer_scale,
+                    config.overflow_margin, config.underflow_rate, backoff,
+                    scale_out,
+                )
+
+            due = tf.convert_to_tensor(self.state.due) > 0
+            scale = tf.cond(due, update, lambda: current)
+        else:
+            scale = rule.scale_within(
+                amax, self._headroom()[point], config.max_layer_scale, scale_out
+            )
+        samples = tuple(rule.sample(dy) for dy in upstream)
+        self.record.put(point, pass_record.PointRecord(scale, scale_out, amax, samples))
+        self._used[point] = scale
+        return scale
+
+    def _forward_headroom(self, outputs):
+        """The forward headroom of a point's float16 `outputs`
+        (`rule.forward_headroom`), in a branch that measures only when the
+        state says the coming step is a telemetry step (zeros otherwise).
+        Taken as soon as the point has run, so that no activation lives
+        longer for it than the layers after the point need it."""
+        graph = unscaled.traced_graph()
+        if graph not in self._due:
+            self._due[graph] = tf.convert_to_tensor(self.state.telemetry_next) > 0
+        with _keras.unrecorded():  # Nothing differentiates a measurement.
+            return tf.cond(
+                self._due[graph],
+                lambda: rule.forward_headroom(outputs),
+                lambda: tf.zeros([2], tf.float32),
+                name="forward_headroom",
+            )
+
+    def finish(self) -> None:
+        """At the end of a training forward pass: leaves each point's
+        forward headroom (`measure_forward`) in the pass record for
+        `update`."""
+        if self._forward:
+            self.record.put_forward(dict(self._forward))
+        self._forward = {}
+
+    def _headroom(self):
+        """Every point's headroom in this pass (a list by point): `rule.headroom`
+        (the global scale's back-off is shared) lowered by the gain of its
+        weight gradients (`rule.produced_headroom`), computed once per
+        graph."""
+        graph = unscaled.traced_graph()
+        if graph not in self._limits:
+            backoff = tf.convert_to_tensor(self.state.backoff)
+            limit = rule.headroom(self.config.overflow_margin, backoff)
+            self._limits[graph] = tf.unstack(rule.produced_headroom(
+                limit, tf.convert_to_tensor(self.state.gains),
+                self.config.overflow_margin,
+            ))
+        return self._limits[graph]
+
+    def measure_forward(self, point, outputs) -> None:
+        """Measures the forward headroom of point `point`'s float16
+        `outputs` (once per pass; `_forward_headroom`)."""
+        if point not in self._forward:
+            self._forward[point] = self._forward_headroom(outputs)
+
+
+def _replicas_in_sync() -> int:
+    context = tf.distribute.get_replica_context()
+    return 1 if context is None else context.num_replicas_in_sync
