@@ -23,7 +23,7 @@ def _plan():
     x = shared(x)
     outputs = layers.Dense(2, name="head")(x)
     plan = tf_als.instrument(keras.Model(inputs, outputs)).plan
-    return plan, dict(zip(plan.point_names, plan.point_calls))
+    return plan, {p.name: p.call for p in plan.points}
 
 
 def test_points_in_order_from_the_loss():

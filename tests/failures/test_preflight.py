@@ -50,7 +50,7 @@ def test_forward_finds_each_norm_and_spares_the_dense():
     model = _norms_model()
     x = _positive_maps()
     findings = preflight.forward_failures(model, (x, None, None))
-    assert findings == [preflight.Finding("positive", promote.FORWARD)]
+    assert findings == [preflight.Failure("positive", promote.FORWARD)]
     model.get_layer("positive").dtype_policy = keras.DTypePolicy("float32")
     (finding,) = preflight.forward_failures(model, (x, None, None))
     assert finding.layer == "centred" and finding.reason.startswith(promote.STRAYS)

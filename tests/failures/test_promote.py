@@ -28,6 +28,7 @@ from tf_als._src.monitoring import callbacks as callbacks_module
 from tf_als._src.failures import backward_search
 from tf_als._src.failures import preflight
 from tf_als._src.failures import promote
+from tf_als._src.scaling import rule
 from tests.modes import JIT_COMPILE
 
 layers = keras.layers
@@ -91,9 +92,9 @@ def largest_finite_scale(plain, loss, batches, top=2.0**15):
     """The largest power of two at most `top` at which every one of
     `batches` has finite gradients (`backward_search`, eagerly, on `plain`
     as it is now), trying `top`, `top / 2`, ... down to
-    `preflight.MIN_SCALE`; None when there is none."""
+    `rule.MIN_SCALE`; None when there is none."""
     exponent = math.floor(math.log2(top))
-    while 2.0**exponent >= preflight.MIN_SCALE:
+    while 2.0**exponent >= rule.MIN_SCALE:
         if all(
             backward_search.first_non_finite_gradient(plain, loss, b, 2.0**exponent)
             is None
@@ -154,7 +155,7 @@ def test_the_model_overflows_in_float16_only():
     assert forward_search.first_non_finite_output(build(), x) == "hot"
     # The preflight's forward check names it, and only it; unarmed, nothing.
     assert preflight.forward_failures(build(), (x, y, None)) == [
-        preflight.Finding("hot", promote.FORWARD)
+        preflight.Failure("hot", promote.FORWARD)
     ]
     assert preflight.forward_failures(build(armed=False), (x, y, None)) == []
 

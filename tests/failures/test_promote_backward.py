@@ -14,7 +14,7 @@ dy is, so the loss scale cannot help (at a scale where dy underflows to 0,
 With t = 2**-8 from the start, `fit` (and a custom loop's first
 `check_skips` with the loss) finds it on the first batch
 (`preflight`: the gradients are not finite at any scale down to
-`preflight.MIN_SCALE`) and promotes it before the first step. The storm and
+`rule.MIN_SCALE`) and promotes it before the first step. The storm and
 frequent-skip triggers are for failures that appear later: the tests start
 from a healthy t = 1 and set t = 2**-8 during training.
 """
@@ -29,6 +29,7 @@ from tests import architectures
 from tests.failures.test_promote import custom_loop, largest_finite_scale
 from tf_als._src.failures import backward_search
 from tf_als._src.failures import forward_search
+from tf_als._src.failures import nonfinite
 from tf_als._src.failures import preflight
 from tf_als._src.failures import promote
 from tests.modes import JIT_COMPILE
@@ -42,7 +43,7 @@ SKIPS = 4
 HEALTHY = 1.0  # A temperature whose backward pass fits float16.
 ARMED = 2.0**-8
 # The promotion's reason for `temperature`.
-REASON = f"{promote.BACKWARD} ({backward_search.WEIGHTS}) at every loss scale"
+REASON = f"{promote.BACKWARD} ({nonfinite.WEIGHTS}) at every loss scale"
 
 
 class Temperature(layers.Layer):
@@ -125,7 +126,7 @@ def test_the_backward_pass_fails_in_float16_only_at_any_scale(scale):
     found = backward_search.first_non_finite_gradient(
         build(), _search_loss, batch, scale
     )
-    assert found == backward_search.Finding("temperature", backward_search.WEIGHTS)
+    assert found == nonfinite.Finding("temperature", nonfinite.WEIGHTS)
     assert (
         backward_search.first_non_finite_gradient(
             build("float32"), _search_loss, batch, scale
@@ -172,7 +173,7 @@ def test_the_loss_gradient_overflowing_a_float16_output_blames_its_layer():
         return keras.losses.SparseCategoricalCrossentropy()(y, y_pred)
 
     found = backward_search.first_non_finite_gradient(model, loss, (x, y, None), 1.0)
-    assert found == backward_search.Finding("probs", backward_search.OUTPUT)
+    assert found == nonfinite.Finding("probs", nonfinite.OUTPUT)
 
 
 def _reference_loss(x, y):
@@ -446,7 +447,7 @@ def test_no_healthy_model_has_a_layer_to_blame(case):
     value, no float16 output's targets or loss fail (`forward_failures`,
     without and with the loss), and the backward search blames nothing
     even at a unit loss scale (the preflight promotes for the backward pass
-    only when the gradients are not finite at `MIN_SCALE`, or below 1 for
+    only when the gradients are not finite at `rule.MIN_SCALE`, or below 1 for
     a float16 model output)."""
     _, mixed = case.build_pair()
     x, y = case.data()

@@ -24,7 +24,7 @@ import tensorflow as tf
 
 import tf_als
 from tf_als._src.failures import storm
-from tf_als._src.failures import preflight
+from tf_als._src.scaling import rule
 from tests.modes import JIT_COMPILE, loop_step
 
 BATCH = 16
@@ -266,7 +266,7 @@ def test_the_global_scale_has_a_floor():
     2**15, 165 skips in a row take it to exactly 0 (float32's smallest
     subnormal is 2**-149), and the next finite step divides its gradients
     by 0 and applies NaN. With the stop and promotion off, tf_als skips as
-    many steps of a NaN batch and stops halving at `preflight.MIN_SCALE`;
+    many steps of a NaN batch and stops halving at `rule.MIN_SCALE`;
     the next finite step applies finite gradients."""
     skips = 170
     x, y = batch(size=skips * BATCH)
@@ -288,7 +288,7 @@ def test_the_global_scale_has_a_floor():
     model.fit(x, y, batch_size=BATCH, verbose=0, shuffle=False)
     assert int(optimizer.consecutive_skips) == skips
     assert int(optimizer.iterations) == 0
-    assert float(optimizer.dynamic_scale) == preflight.MIN_SCALE
+    assert float(optimizer.dynamic_scale) == rule.MIN_SCALE
     before = [np.array(w) for w in plain.get_weights()]
     loss = float(model.train_on_batch(good_x, good_y))
     assert np.isfinite(loss)
@@ -296,7 +296,7 @@ def test_the_global_scale_has_a_floor():
     after = [np.array(w) for w in plain.get_weights()]
     assert all(np.all(np.isfinite(w)) for w in after)
     assert any(not np.array_equal(a, b) for a, b in zip(before, after))
-    assert float(optimizer.dynamic_scale) == preflight.MIN_SCALE
+    assert float(optimizer.dynamic_scale) == rule.MIN_SCALE
 
 
 def test_fit_adds_one_guard_to_the_callbacks_given(monkeypatch):

@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 import tf_als
-from tf_als._src.failures import recovery
+from tf_als._src.scaling import rule
 
 INF = float("inf")
 
@@ -93,7 +93,7 @@ def test_the_global_scale_stops_at_its_floor():
     optimizer, variables = _optimizer(initial_scale=2.0**-23, max_consecutive_skips=None)
     for _ in range(3):
         _step(optimizer, variables, INF)
-    assert recovery.MIN_SCALE == 2.0**-24
+    assert rule.MIN_SCALE == 2.0**-24
     assert float(optimizer.dynamic_scale.numpy()) == 2.0**-24
     assert int(optimizer.consecutive_skips.numpy()) == 3
 

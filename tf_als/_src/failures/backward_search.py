@@ -22,12 +22,6 @@ from tf_als._src.model import plain
 from tf_als._src.failures import nonfinite
 from tf_als._src.scaling import rule
 
-# The result type and what it names, as `nonfinite` defines them.
-Finding = nonfinite.Finding
-WEIGHTS = nonfinite.WEIGHTS
-INPUTS = nonfinite.INPUTS
-OUTPUT = nonfinite.OUTPUT
-
 
 class StepLoss:
     """The loss a custom training step differentiates, computed from one
@@ -128,7 +122,7 @@ class Forward:
             )
         return outputs
 
-    def at(self, scale: float) -> Optional[Finding]:
+    def at(self, scale: float) -> Optional[nonfinite.Finding]:
         """Where the gradients of `scale` times the loss turn non-finite
         (see `first_non_finite_gradient`), or None."""
         if scale not in self._found:
@@ -175,7 +169,7 @@ class Forward:
         if self._tape is None:
             raise ValueError("Forward(loss_fn=None) has no backward pass")
         if not bool(tf.math.is_finite(self.loss)):
-            return Finding(layer=None, what=nonfinite.LOSS)
+            return nonfinite.Finding(layer=None, what=nonfinite.LOSS)
         floats = [
             (nonfinite.floats(arguments), nonfinite.floats(outputs))
             for _, arguments, outputs in self.calls
@@ -238,7 +232,7 @@ def first_non_finite_gradient(
     batch: tuple,
     scale: float,
     training: bool = True,
-) -> Optional[Finding]:
+) -> Optional[nonfinite.Finding]:
     """Runs `model` eagerly on one batch and backpropagates `scale` times
     its loss; returns None when every gradient is finite, else where they
     turned non-finite (a `Forward`'s `at`: to try several scales, make one
@@ -276,7 +270,7 @@ def search(
     scale: float,
     limit: int = 8,
     training: bool = True,
-) -> Optional[Finding]:
+) -> Optional[nonfinite.Finding]:
     """`first_non_finite_gradient` on up to `limit` batches of `batches`
     (an iterable of `(x, y, sample_weight)`), stopping at the first whose
     gradients are not finite; None when all are finite."""
@@ -287,7 +281,7 @@ def search(
     )
 
 
-def _blame(calls, finite, y_pred, outputs_finite) -> Finding:
+def _blame(calls, finite, y_pred, outputs_finite) -> nonfinite.Finding:
     """The layer to blame: a leaf call (latest first) whose outputs'
     gradients are finite while its inputs' or weights' are not; else the
     innermost such block (by its inputs: its weights are its parts'); else
@@ -309,19 +303,19 @@ def _blame(calls, finite, y_pred, outputs_finite) -> Finding:
             continue
         weights_ok = all(finite.get(id(w), True) for w in layer.trainable_weights)
         if not weights_ok:
-            return Finding(layer=nonfinite.layer_path(layer), what=WEIGHTS)
+            return nonfinite.Finding(layer=nonfinite.layer_path(layer), what=nonfinite.WEIGHTS)
         if not inputs_ok(inputs):
-            return Finding(layer=nonfinite.layer_path(layer), what=INPUTS)
+            return nonfinite.Finding(layer=nonfinite.layer_path(layer), what=nonfinite.INPUTS)
     if blocks:
         block = min(blocks, key=lambda b: len(_keras.sublayers(b, recursive=True)))
-        return Finding(layer=nonfinite.layer_path(block), what=INPUTS)
+        return nonfinite.Finding(layer=nonfinite.layer_path(block), what=nonfinite.INPUTS)
     for tensor, ok in zip(y_pred, outputs_finite):
         if ok:
             continue
         for layer, _, outputs in calls:  # Innermost producer first.
             if any(o is tensor for o in outputs):
-                return Finding(layer=nonfinite.layer_path(layer), what=OUTPUT)
-    return Finding(layer=None, what=nonfinite.OUTSIDE)
+                return nonfinite.Finding(layer=nonfinite.layer_path(layer), what=nonfinite.OUTPUT)
+    return nonfinite.Finding(layer=None, what=nonfinite.OUTSIDE)
 
 
 def _amax(grads) -> float:

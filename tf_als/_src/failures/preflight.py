@@ -13,21 +13,22 @@ would:
 1. **Forward.** The batch runs once in the model's precision; then every
    leaf layer with weights that computes in float16 runs again in float32
    on the very inputs it received (a Keras layer whose float16 output is
-   finite is not: Keras accumulates and takes statistics in float32). It fails when its float16 output is not
-   finite while float32's is, or strays from float32's by more than
-   `RELATIVE_ERROR` of float32's largest magnitude (a hand-written
+   finite is not: Keras accumulates and takes statistics in float32). It
+   fails when its float16 output is not finite while float32's is, or
+   strays from float32's by more than `RELATIVE_ERROR` of float32's
+   largest magnitude (a hand-written
    normalisation whose float16 count overflowed reads a mean and variance
    of 0: finite, and wrong). A model output computed in float16 fails when
    its targets reach float16's maximum over `TARGET_FACTOR`: it has to reach
    them.
 2. **Backward.** The loss's gradients at a global scale of 1. When they
    are not finite, the layer whose float16 backward pass turns a finite
-   gradient into a non-finite one even at `MIN_SCALE` fails
+   gradient into a non-finite one even at `rule.MIN_SCALE` fails
    (`backward_search`), and so does a float16 model output whose
    gradient from the loss fits float16 only at a scale below 1.
    Then, before the first step and after a promotion, the global scale S
    is chosen: the largest power of two at most the initial scale at which
-   the gradients are finite (`largest_finite_scale`, down to `MIN_SCALE`).
+   the gradients are finite (`largest_finite_scale`, down to `rule.MIN_SCALE`).
 3. Failing layers are promoted (`promote`), every one found at
    once, and the check runs again, until nothing fails or the cap on
    failures is reached; then S is set.
@@ -51,24 +52,22 @@ from tf_als._src.model import _keras
 from tf_als._src.failures import backward_search
 from tf_als._src.failures import nonfinite
 from tf_als._src.failures import promote
+from tf_als._src.scaling import rule
 
-FLOAT16_MAX = 65504.0
 # A float16 layer output may stray from the float32 re-run of the same
 # layer on the same inputs by this share of the re-run's largest magnitude.
 # Float16 rounds to 2**-11; a layer's own accumulation adds a few ulps of
 # its output's range; a count that overflowed (a mean read as 0) is off by
 # the whole range.
 RELATIVE_ERROR = 2.0**-4
-# A float16 model output fails when its targets reach FLOAT16_MAX / this:
+# A float16 model output fails when its targets reach rule.FLOAT16_MAX / this:
 # half of float16's range leaves too little for the layer's own sums on the
 # way (a Dense adds its bias to a product that may pass the result).
 TARGET_FACTOR = 2.0
-# The smallest global scale tried (and the optimizer's floor).
-MIN_SCALE = 2.0**-24
 
 
 @dataclasses.dataclass(frozen=True)
-class Finding:
+class Failure:
     """A layer call that fails in float16 on the batch.
 
     Attributes:
@@ -174,19 +173,19 @@ def check(
     top = math.floor(math.log2(scale))
     while True:
         forward = backward_search.Forward(model.uninstrumented(), batch, loss_fn, training)
-        findings = _forward_failures(forward, loss_fn)
+        failures = _forward_failures(forward, loss_fn)
         at_top = None
-        if not findings and loss_fn is not None:
+        if not failures and loss_fn is not None:
             # Finite at the initial scale: finite below it too (a smaller
             # scale can only underflow), so nothing fails backward.
             at_top = forward.at(2.0**top)
             if at_top is not None:
-                findings = backward_failures(forward)
-        again = [f for f in findings if f.layer in previous]
+                failures = backward_failures(forward)
+        again = [f for f in failures if f.layer in previous]
         if again:
             return _taken_back(model, made, previous, again[0])
-        if findings:
-            new, stopped = promote.promote_all(model, findings, step, previous)
+        if failures:
+            new, stopped = promote.promote_all(model, failures, step, previous)
             made.extend(new)
             if stopped is not None or not new:
                 return Outcome(tuple(made), None, stopped)
@@ -217,7 +216,7 @@ def forward_failures(
     training: bool = True,
     loss_fn: Optional[Callable] = None,
 ) -> list:
-    """The `Finding`s of `model`'s float16 forward pass on `batch` (see the
+    """The `Failure`s of `model`'s float16 forward pass on `batch` (see the
     module's docstring), and with `loss_fn`, of its loss; [] when none
     fails."""
     forward = backward_search.Forward(model, batch, loss_fn, training)
@@ -227,25 +226,25 @@ def forward_failures(
 def _forward_failures(forward, loss_fn) -> list:
     """`forward_failures` of a `backward_search.Forward` (the float32
     re-runs leave the model as they found it)."""
-    findings = []
+    failures = []
     with nonfinite.preserved(forward.model.variables):
         for layer, arguments, outputs in forward.own_calls:
             if _checked(layer):
                 reason = _stray(layer, arguments, outputs)
                 if reason is not None:
-                    findings.append(Finding(nonfinite.layer_path(layer), reason))
-    findings += _unreachable_targets(forward.calls, forward.y_pred, forward.targets)
-    if loss_fn is not None and not forward.from_step and not findings:
+                    failures.append(Failure(nonfinite.layer_path(layer), reason))
+    failures += _unreachable_targets(forward.calls, forward.y_pred, forward.targets)
+    if loss_fn is not None and not forward.from_step and not failures:
         # A `StepLoss` computes its loss from the batch, not from outputs
         # that could be handed over in float32.
-        findings += _loss_overflows(forward, loss_fn)
-    return _unique(findings)
+        failures += _loss_overflows(forward, loss_fn)
+    return _unique(failures)
 
 
 def _loss_overflows(forward, loss_fn) -> list:
     """When the loss on the float16 model outputs differs from the loss on
     the same outputs cast to float32 (exactly), by more than
-    `RELATIVE_ERROR` or in finiteness, the `Finding`s of the layers that
+    `RELATIVE_ERROR` or in finiteness, the `Failure`s of the layers that
     produce the float16 outputs: the user's loss sums them in float16 (a
     soft-Dice over a batch of maps reads 1.0, and every gradient 0)."""
     x, y, sample_weight = forward.batch
@@ -258,18 +257,18 @@ def _loss_overflows(forward, loss_fn) -> list:
         return []
     if math.isfinite(got) and abs(got - want) <= RELATIVE_ERROR * max(abs(want), 1e-30):
         return []
-    findings = []
+    failures = []
     for output in outputs:
         producer = _producer(forward.calls, output)
         if producer is not None:
-            findings.append(
-                Finding(
+            failures.append(
+                Failure(
                     nonfinite.layer_path(producer),
                     f"{promote.LOSS} ({got:.4g} against {want:.4g}: the loss "
                     "sums or squares float16 outputs past 65504)",
                 )
             )
-    return findings
+    return failures
 
 
 def _checked(layer) -> bool:
@@ -331,47 +330,47 @@ def _from_keras(layer) -> bool:
 
 def _unreachable_targets(calls, y_pred, y) -> list:
     """Float16 model outputs whose targets reach float16's maximum over
-    `TARGET_FACTOR`, as `Finding`s of the layers that produce them."""
+    `TARGET_FACTOR`, as `Failure`s of the layers that produce them."""
     outputs = keras.tree.flatten(y_pred)
     targets = keras.tree.flatten(y) if y is not None else []
     if len(outputs) != len(targets):
         return []
-    findings = []
+    failures = []
     for output, target in zip(outputs, targets):
         if not (tf.is_tensor(output) and output.dtype == tf.float16):
             continue
         largest = float(tf.reduce_max(tf.abs(tf.cast(target, tf.float32))))
-        if largest < FLOAT16_MAX / TARGET_FACTOR:
+        if largest < rule.FLOAT16_MAX / TARGET_FACTOR:
             continue
         producer = _producer(calls, output)
         if producer is not None:
-            findings.append(
-                Finding(
+            failures.append(
+                Failure(
                     nonfinite.layer_path(producer),
                     f"{promote.TARGETS} (targets up to {largest:.4g}; float16 "
-                    f"holds at most {FLOAT16_MAX:g})",
+                    f"holds at most {rule.FLOAT16_MAX:g})",
                 )
             )
-    return findings
+    return failures
 
 
 def backward_failures(forward) -> list:
-    """The `Finding`s of the backward pass of a `backward_search.Forward`:
+    """The `Failure`s of the backward pass of a `backward_search.Forward`:
     [] when its gradients are finite at a global scale of 1; else the
-    layer whose float16 backward pass is not finite even at `MIN_SCALE`,
+    layer whose float16 backward pass is not finite even at `rule.MIN_SCALE`,
     or the float16 model output whose gradient from the loss fits float16
     only at a scale below 1 (a float16 softmax under a cross-entropy on
     probabilities)."""
     at_one = forward.at(1.0)
     if at_one is None:
         return []
-    floor = round(math.log2(MIN_SCALE))
+    floor = round(math.log2(rule.MIN_SCALE))
     at_floor = forward.at(2.0**floor)
     if at_floor is not None:
         if at_floor.layer is None:
             return []  # The loss itself: no promotion helps.
         reason = f"{promote.BACKWARD} ({at_floor.what}) at every loss scale"
-        return [Finding(at_floor.layer, reason)]
+        return [Failure(at_floor.layer, reason)]
     low, high, above = floor, 0, at_one
     while high - low > 1:
         middle = (high + low) // 2
@@ -388,11 +387,11 @@ def backward_failures(forward) -> list:
         f"{promote.BACKWARD} ({above.what}): its float16 output cannot "
         "carry the loss's gradient at any loss scale of 1 or more"
     )
-    return [Finding(above.layer, reason)]
+    return [Failure(above.layer, reason)]
 
 
 def largest_finite_scale(forward, scale: float) -> Optional[float]:
-    """The largest power of two, at most `scale` and at least `MIN_SCALE`,
+    """The largest power of two, at most `scale` and at least `rule.MIN_SCALE`,
     at which the gradients of a `backward_search.Forward` are finite; None
     when there is none.
 
@@ -409,7 +408,7 @@ def largest_finite_scale(forward, scale: float) -> Optional[float]:
         return 2.0**bad
     good = min(0, bad - 1)
     if forward.at(2.0**good) is not None:
-        bad, good = good, round(math.log2(MIN_SCALE))
+        bad, good = good, round(math.log2(rule.MIN_SCALE))
         if forward.at(2.0**good) is not None:
             return None
     guessed = False
@@ -437,9 +436,9 @@ def _to_float32(structure):
     )
 
 
-def _unique(findings) -> list:
+def _unique(failures) -> list:
     seen, result = set(), []
-    for finding in findings:
+    for finding in failures:
         if finding.layer not in seen:
             seen.add(finding.layer)
             result.append(finding)

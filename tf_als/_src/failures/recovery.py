@@ -39,13 +39,10 @@ from tf_als._src.failures import preflight as preflight_module
 from tf_als._src.failures import promote as promote_module
 from tf_als._src.failures import silent
 from tf_als._src.failures import storm
+from tf_als._src.scaling import rule
 from tf_als._src.training import handoff
 from tf_als._src.training import skips
 
-# The global scale's floor (and the smallest one preflight tries): Keras
-# halves for good, down to exactly 0, after which a finite step divides its
-# gradients by 0.
-MIN_SCALE = preflight_module.MIN_SCALE
 # Batches a storm re-runs, at most.
 STORM_BATCHES = 8
 
@@ -132,7 +129,7 @@ class Recovery:
         if scale is None:
             current = float(keras.ops.convert_to_numpy(optimizer.dynamic_scale))
             scale = min(optimizer.initial_scale, current * 2.0 ** skips.streak(optimizer))
-        optimizer.dynamic_scale.assign(max(scale, MIN_SCALE))
+        optimizer.dynamic_scale.assign(max(scale, rule.MIN_SCALE))
         optimizer.step_counter.assign(0)
         skips.reset(optimizer)
         self.looked_below = float("inf")

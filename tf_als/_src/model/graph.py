@@ -102,16 +102,6 @@ class Plan:
     float_slots: frozenset
     points: tuple
 
-    @property
-    def point_names(self) -> tuple:
-        """The name of each of `points`."""
-        return tuple(p.name for p in self.points)
-
-    @property
-    def point_calls(self) -> tuple:
-        """The call index of each of `points`."""
-        return tuple(p.call for p in self.points)
-
 
 def read(model: keras.Model) -> Plan:
     """Builds the `Plan` of a built Sequential or Functional model.

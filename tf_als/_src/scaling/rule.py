@@ -65,6 +65,10 @@ FLOAT16_MAX = 65504.0
 FLOAT16_MAX_EXPONENT = 15  # 2**15 is the largest power of two below the max.
 FLOAT16_MIN_NORMAL = 2.0**-14
 FLOAT16_MIN_SUBNORMAL = 2.0**-24
+# The smallest global scale S: the optimizer's floor (Keras halves for
+# good, down to exactly 0, after which a finite step divides its gradients
+# by 0), and the lowest the first-batch check tries.
+MIN_SCALE = 2.0**-24
 # Histogram of log2 magnitudes: one bin per binary exponent a float16 can
 # hold, from its smallest subnormal, 2**-24, to 2**15 (smaller or larger
 # float32 values land in the end bins).

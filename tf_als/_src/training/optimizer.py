@@ -12,6 +12,7 @@ import tensorflow as tf
 from tf_als._src.failures import recovery
 from tf_als._src.model import _keras
 from tf_als._src.scaling import config as config_module
+from tf_als._src.scaling import rule
 from tf_als._src.training import arguments
 from tf_als._src.training import handoff
 from tf_als._src.training import owners
@@ -241,7 +242,7 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def _stateful_handle_non_finite_grads(self):
         super()._stateful_handle_non_finite_grads()
-        self.dynamic_scale.assign(tf.maximum(self.dynamic_scale, recovery.MIN_SCALE))
+        self.dynamic_scale.assign(tf.maximum(self.dynamic_scale, rule.MIN_SCALE))
         skips.skipped_step(self)
 
     def check_skips(
