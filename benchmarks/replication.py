@@ -132,7 +132,7 @@ class UnderflowProbe:
     a float32 policy for the duration (as `tf_als.diagnose` does); nothing
     the run's compiled train function uses changes."""
 
-    def __init__(self, model, x, y):
+    def __init__(self, model, x, y, rule="amax"):
         import keras
 
         import tf_als
@@ -141,8 +141,19 @@ class UnderflowProbe:
         self.x, self.y = x, y
         self.loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         self.live_points = getattr(model, "scaling_points", None)
-        # Never linked to an optimizer, so its scales stay as copied.
-        self.probe = tf_als.instrument(self.plain) if self.live_points else None
+        self.probe = None
+        if self.live_points:
+            # It shares the run's variables, so the run's optimizer finds it
+            # among the models it trains (`owners`) and checks its knobs:
+            # compiled with the run's rule. Its scales are copied from the
+            # run's before each measurement.
+            self.probe = tf_als.instrument(self.plain)
+            self.probe.compile(
+                optimizer=tf_als.AdaptiveLossScaleOptimizer(
+                    keras.optimizers.SGD(0.0), rule=rule
+                ),
+                loss=self.loss,
+            )
         index = {id(v): i for i, v in enumerate(self.plain.trainable_variables)}
         self.layers = [
             (layer.name, [index[id(v)] for v in layer.trainable_weights])
@@ -219,7 +230,10 @@ def train(model_name, scaler, seed, data, epochs, measure_every, steps=None):
     if scaler != "float32":
         # Before compile: clone_model would otherwise copy the compile
         # config, and the benchmark's optimizer is not registered.
-        probe = UnderflowProbe(model, data.x_test[:BATCH_SIZE], data.y_test[:BATCH_SIZE])
+        probe = UnderflowProbe(
+            model, data.x_test[:BATCH_SIZE], data.y_test[:BATCH_SIZE],
+            rule="paper" if scaler == "tf_als-paper" else "amax",
+        )
     model.compile(
         optimizer=optimizer,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
