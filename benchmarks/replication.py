@@ -167,20 +167,21 @@ class UnderflowProbe:
         import numpy as np
 
         from tf_als._src.model import _keras
+        from tf_als._src.monitoring import passes
         from tf_als._src.monitoring import report
 
         variables = self.plain.trainable_variables
         # The run's own batch, as it is: no seed state to rewind.
-        batch = report._Batch(self.x, self.y, self.loss, True, lambda: None)
+        batch = passes.Batch(self.x, self.y, self.loss, True, lambda: None)
         with _keras.dtype_policy(_keras.all_layers(self.plain), "float32"):
-            expected, _ = report._gradient_pass(self.plain, variables, batch)()
+            expected, _ = passes.gradient_pass(self.plain, variables, batch)()
         scale = float(keras.ops.convert_to_numpy(optimizer.dynamic_scale))
         model = self.plain
         if self.probe is not None:
             for live, copy in zip(self.live_points, self.probe.scaling_points):
                 copy.scale.assign(live.scale)
             model = self.probe
-        grads, _ = report._gradient_pass(model, variables, batch)(scale)
+        grads, _ = passes.gradient_pass(model, variables, batch)(scale)
         result = {}
         for name, positions in self.layers:
             got = [np.ravel(grads[i]) for i in positions]

@@ -25,7 +25,7 @@ from tf_als._src.model.instrument import PointInfo
 from tf_als._src.model.instrument import instrument
 from tf_als._src.model.instrument import points
 from tf_als._src.model.instrument import scales
-from tf_als._src.monitoring.report import Diagnosis
+from tf_als._src.monitoring.diagnosis import Diagnosis
 from tf_als._src.monitoring.report import diagnose
 from tf_als._src.training.optimizer import AdaptiveLossScaleOptimizer
 

@@ -9,7 +9,7 @@ from sklearn.datasets import load_digits
 
 import tf_als
 from tf_als._src.failures import forward_search
-from tf_als._src.monitoring import report as report_module
+from tf_als._src.monitoring import diagnosis
 from tf_als._src.model import composite
 from tf_als._src.model import graph
 from tf_als._src.model import _keras
@@ -235,7 +235,7 @@ def test_works_on_a_subclassed_model(mixed):
 
 
 def test_underflowing_checks_its_scaling_argument(mixed):
-    report = report_module.Diagnosis(
+    report = diagnosis.Diagnosis(
         rows=(), keras_loss_scale=1.0, als_loss_scale=1.0, non_finite=None
     )
     with pytest.raises(ValueError, match='`scaling` must be "keras" or "tf_als"; received \'als\''):

@@ -173,14 +173,7 @@ def check(
     top = math.floor(math.log2(scale))
     while True:
         forward = backward_search.Forward(model.uninstrumented(), batch, loss_fn, training)
-        failures = _forward_failures(forward, loss_fn)
-        at_top = None
-        if not failures and loss_fn is not None:
-            # Finite at the initial scale: finite below it too (a smaller
-            # scale can only underflow), so nothing fails backward.
-            at_top = forward.at(2.0**top)
-            if at_top is not None:
-                failures = backward_failures(forward)
+        failures, at_top = _failures(forward, loss_fn, 2.0**top)
         again = [f for f in failures if f.layer in previous]
         if again:
             return _taken_back(model, made, previous, again[0])
@@ -195,6 +188,18 @@ def check(
             chosen = 2.0**top if at_top is None else largest_finite_scale(forward, scale)
         gains = forward.gains() if chosen is not None else {}
         return Outcome(tuple(made), chosen, None, gains)
+
+
+def _failures(forward, loss_fn, top) -> tuple:
+    """(the `Failure`s of the batch's forward and backward passes, the
+    backward finding at the scale `top` or None). Finite at `top`, the
+    backward pass is finite below it too (a smaller scale can only
+    underflow), so nothing fails backward."""
+    failures = _forward_failures(forward, loss_fn)
+    if failures or loss_fn is None:
+        return failures, None
+    at_top = forward.at(top)
+    return (backward_failures(forward) if at_top is not None else []), at_top
 
 
 def _taken_back(model, made, previous, finding) -> Outcome:

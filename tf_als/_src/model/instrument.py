@@ -21,35 +21,27 @@ def instrument(model: keras.Model, float32_outputs: bool = False) -> keras.Model
 
     Args:
         model: a built `keras.Model` (Sequential, Functional or subclassed)
-            with at least one float16 layer that owns weights. Nested
-            Sequential/Functional models are instrumented layer by layer.
-            Composite layers (custom layers, `MultiHeadAttention`, subclassed
-            models, KerasHub blocks) are opened: each weighted sublayer they
-            call is a scaling point too (see `composite`); a
-            subclassed model at the top is one opened point, with every
-            weighted layer it calls inside it. Recurrent layers and
-            `TimeDistributed` stay one point; a warning names them and
-            `tf_als.points(model)` gives the reason.
-        float32_outputs: bool, default False. Hand the training code
-            float32 outputs: the instrumented model casts each float16
-            output to float32 (exactly: every float16 value is a float32
-            value), so a loss written by hand sums and squares them in
-            float32. Keras's own losses cast their inputs to float32
-            already; a custom training loop, a model's own `train_step` or a
-            loss such as a soft-Dice summed over a batch of maps may not,
-            and overflows float16 (65504) without a non-finite value. The
-            served model (`predict`, `export`) keeps its outputs' dtypes.
+            with a float16 layer that owns weights. Nested models are
+            instrumented layer by layer; composite layers (custom layers,
+            `MultiHeadAttention`, KerasHub blocks) and a subclassed model
+            at the top are opened, each weighted sublayer they call a point
+            too (see `composite`). Recurrent layers and `TimeDistributed`
+            stay one point (a warning names them; `tf_als.points` says why).
+        float32_outputs: bool, default False. Cast each float16 output to
+            float32 for the training code (exact), so that a loss written
+            by hand (a custom loop, a model's own `train_step`, a soft-Dice
+            summed over a batch of maps) cannot overflow float16 (65504)
+            without a non-finite value. Keras's own losses cast already;
+            `predict` and `export` keep the outputs' dtypes.
 
     Returns:
-        A new model of `model`'s own class (`isinstance` holds; every method
-        the class defines runs on it as written) that is also a
-        `tf_als.InstrumentedModel`. Its `layers`, `get_layer`, `weights`
-        and `summary` read as `model`'s; `uninstrumented()` returns
-        `model`. If `model` is compiled, it comes compiled the same way (loss, loss weights, metrics, weighted
-        metrics, `jit_compile`, ...), with `model`'s optimizer wrapped in an
-        `AdaptiveLossScaleOptimizer` unless it is one already (from a Keras
-        `LossScaleOptimizer`, its inner optimizer, initial scale and growth
-        steps are carried over).
+        A new model of `model`'s own class (`isinstance` holds; its methods
+        run on it as written) that is also a `tf_als.InstrumentedModel`.
+        Its `layers`, `get_layer`, `weights` and `summary` read as
+        `model`'s; `uninstrumented()` returns `model`. A compiled `model`
+        comes compiled the same way, its optimizer wrapped in an
+        `AdaptiveLossScaleOptimizer` (a Keras `LossScaleOptimizer`'s
+        inner optimizer, initial scale and growth steps carried over).
 
     Raises:
         TypeError: `model` is not a `keras.Model`.
