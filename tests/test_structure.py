@@ -205,6 +205,26 @@ def test_no_function_is_too_long_to_read_at_once():
     assert too_long == [], "\n".join(too_long)
 
 
+# Rooms a newcomer reads at once (issue 40): every function at most 60
+# lines and every class at most 300, docstrings, comments and blank lines
+# included (the count above leaves them out).
+LONGEST_WHOLE_FUNCTION = 60
+LONGEST_CLASS = 300
+
+
+def test_no_function_or_class_outgrows_its_room():
+    too_long = []
+    for name, (_, tree) in _modules().items():
+        for node in ast.walk(tree):
+            length = node.end_lineno - node.lineno + 1 if hasattr(node, "end_lineno") else 0
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if length > LONGEST_WHOLE_FUNCTION:
+                    too_long.append(f"{name} {node.name}: {length} lines")
+            elif isinstance(node, ast.ClassDef) and length > LONGEST_CLASS:
+                too_long.append(f"{name} class {node.name}: {length} lines")
+    assert too_long == [], "\n".join(too_long)
+
+
 # Attributes of Keras's internal graph classes (`keras.src.ops.node.Node`
 # and its `arguments`) that carry no underscore but are not public API, as
 # read from a variable named for a node (`inspect.BoundArguments.arguments`

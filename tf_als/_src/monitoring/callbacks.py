@@ -102,8 +102,7 @@ class ScaleHistory(keras.callbacks.Callback):
          "points": {point name: {quantity: [...], "histogram": [[...]]}},
          "promotions": [{"layer": ..., "reason": ..., "step": ...}]}
 
-    (`promotions`: layers switched to float32 by `promote_on_storm`; each is
-    also written to TensorBoard as the text `global/promotions`.)
+    (`promotions`: layers `promote_on_storm` switched to float32.)
 
     At the end of each epoch it adds `EPOCH_LOG_KEYS` to Keras's logs, so
     `History`, `CSVLogger` (listed after this callback) and the progress
@@ -116,20 +115,19 @@ class ScaleHistory(keras.callbacks.Callback):
 
     With `log_dir`, an overview whose size does not depend on the model
     (`overview/...`: the two `OVERVIEW_SCALARS`, a heat-map image of log2
-    scales, layers by updates, and a text naming the worst layers), and
-    per layer the same records as TensorBoard scalars in
-    the run `<log_dir>/tf_als`, with tags `<layer>/<quantity>` (one fold per
-    layer; `/` in point names becomes `.`) and `global/loss_scale`,
-    `global/skipped_steps`, a text `global/point_names` listing the points'
-    names in execution order, and a histogram `<layer>/log2_magnitude` of the
+    scales, layers by updates, and a text naming the worst layers), and per
+    layer the same records as TensorBoard scalars in the run
+    `<log_dir>/tf_als`, tags `<layer>/<quantity>` (one fold per layer; `/`
+    in point names becomes `.`) and `global/loss_scale`,
+    `global/skipped_steps`, texts `global/point_names` (the points' names
+    in execution order) and `global/promotions`, and a histogram `<layer>/log2_magnitude` of the
     incoming gradient's log2 magnitudes (buckets [e, e+1) for the float16
     exponents e; zeros are counted in `zero_fraction`). The writer opens at
     the first write. `keras.callbacks.TensorBoard` may use the same
     `log_dir`: it writes the runs `train` and `validation`.
 
     Args:
-        log_dir: str or None. Where to write TensorBoard summaries; None
-            writes none.
+        log_dir: str or None, where to write TensorBoard summaries.
         histograms: bool, default True. Also write the log2 histograms.
 
     Example:
@@ -141,10 +139,9 @@ class ScaleHistory(keras.callbacks.Callback):
     history.history["points"]["dense"]["scale"]   # [8.0, 8.0, 16.0, ...]
     ```
 
-    In a custom loop, call `callback.set_model(model)` once and
-    `callback.record_step(steps=1)` after each optimizer step. When several
-    optimizers train the model, say which one's steps to count:
-    `callback.set_model(model, optimizer=g_optimizer)`.
+    In a custom loop, call `callback.set_model(model)` once (with several
+    optimizers, `set_model(model, optimizer=g_optimizer)` says whose steps
+    count) and `callback.record_step(steps=1)` after each step.
     """
 
     def __init__(self, log_dir: Optional[str] = None, histograms: bool = True):

@@ -18,6 +18,7 @@ from tf_als._src.training import handoff
 from tf_als._src.training import owners
 from tf_als._src.training import replicas
 from tf_als._src.training import skips
+from tf_als._src.training import unscaled
 from tf_als._src.training import update
 
 
@@ -31,12 +32,11 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     """Dynamic loss scaling with per-layer adaptive scales (Zhao et al., 2019).
 
     A `keras.optimizers.LossScaleOptimizer` with all its arguments, config
-    keys and behaviour: a global loss scale S that halves (the step is
-    skipped) when a gradient is not finite and doubles after
-    `dynamic_growth_steps` finite steps. On a model that was not
-    instrumented it behaves as its parent (`check_finite` aside). On a
-    model from `tf_als.instrument`, every call of a layer with weights also
-    picks its own scale s_n on every step, inside the backward pass, from
+    keys and behaviour (a global scale S that halves, skipping the step,
+    when a gradient is not finite and doubles after `dynamic_growth_steps`
+    finite steps), which it keeps on a model that was not instrumented. On
+    a model from `tf_als.instrument`, every call of a layer with weights
+    also picks its own scale s_n on every step, in the backward pass, from
     the gradient g that reaches it:
 
         s_n = 2 ** clip(largest k with max|g| * backoff * 2**k *
@@ -54,21 +54,18 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     all replicas skip the same steps.
 
     Args:
-        inner_optimizer: `keras.optimizers.Optimizer`, applies the unscaled
-            gradients; not a loss scale optimizer itself.
+        inner_optimizer: a `keras.optimizers.Optimizer` (not a loss scale
+            optimizer), applies the unscaled gradients.
         initial_scale: float, default 2**15. Initial global loss scale S.
-        dynamic_growth_steps: int, default 2000. S doubles after this many
-            consecutive finite steps.
+        dynamic_growth_steps: int, default 2000; S doubles after as many finite steps.
         update_interval: int >= 1, default 100. `rule="paper"`: steps
             between scale updates. Under `"amax"`, another value without
             `telemetry_interval` sets that instead (a `DeprecationWarning`).
         underflow_rate: float in [0, 1), default 0.01. The quantile of the
             nonzero |g| each point records (and `"paper"` chooses from).
-        max_layer_scale: float, power of two in [1, 2**15], default 2**15.
-            Ceiling of each per-layer scale.
-        overflow_margin: float, power of two in [1, 2**15], default 2**12.
-            Headroom kept below float16's maximum, for the growth inside a
-            layer's own backward pass.
+        max_layer_scale: power of two in [1, 2**15], default 2**15; the per-layer ceiling.
+        overflow_margin: power of two in [1, 2**15], default 2**12; headroom kept
+            below float16's maximum for the growth in a layer's backward pass.
         max_consecutive_skips: int >= 1 or None, default 32. This many steps
             skipped in a row raise `NonFiniteStormError`, naming the layer
             whose gradient was first non-finite; as many within twice as
@@ -79,8 +76,7 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             float32 and set S where the gradients are finite (`preflight`).
             False: Keras's behaviour, with the storm error.
         rule: `"amax"` (default) or `"paper"` (see above).
-        telemetry_interval: int >= 1, default 100. Steps between telemetry
-            records.
+        telemetry_interval: int >= 1, default 100. Steps between records.
         name: str, optional name.
 
     Example:
@@ -96,9 +92,9 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     tf_als.scales(model)  # {"dense": 8.0, "dense_1": 1.0, ...}
     ```
 
-    A custom loop calls `optimizer.scale_loss(loss)` inside the tape and
-    `optimizer.apply(grads, variables)` after it, as with Keras's; one
-    optimizer may train several models (docs/training-loops.md).
+    In a custom loop: `scale_loss(loss)` in the tape, `apply(grads,
+    variables)` after it, as Keras's; one optimizer may train several
+    models (docs/training-loops.md).
     """
 
     def __init__(
@@ -172,10 +168,11 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         handoff.receive(self, models)
         step, telemetry_due, updates = handoff.before_apply(self)
         scale = tf.convert_to_tensor(self.dynamic_scale)  # This step's S.
-        own = self._divide_by_scale(list(grads), variables, models)
-        # One read per gradient, its amax: the points' gains, and the
-        # finiteness flags shared by the agreement between replicas, Keras's
-        # check (`check_finite`) and the first-skip record.
+        # Divided by S before Keras's finite-step conditional, which
+        # applies them as they come (`_stateful_handle_finite_grads`).
+        own = unscaled.divide_by_scale(self, list(grads), variables, models)
+        # One read per gradient, its amax: for the points' gains, and the
+        # finiteness flags of replicas, `check_finite` and skip records.
         amaxes = replicas.amaxes(own)
         flags = replicas.flags_of(amaxes)
         self._checked = (own, flags)
@@ -201,29 +198,8 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 self.build(trainable_variables)
             self.built = True
 
-    def _divide_by_scale(self, grads, variables, models):
-        """`grads` divided by S before Keras's finite-step conditional
-        (`_stateful_handle_finite_grads` applies them as they come): a
-        gradient the backward pass of one of `models` unscaled as a whole is
-        divided in that same multiply (`unscaled`), any other as Keras
-        divides it."""
-        scale = self.dynamic_scale
-        result = []
-        for g, v in zip(grads, variables):
-            if g is None or _keras.overwrites_with_gradient(self, v):
-                result.append(g)
-                continue
-            folded = None
-            for model in models:
-                folded = model.unscaled_gradients.divided(g, scale)
-                if folded is not None:
-                    break
-            result.append(keras.ops.divide(g, scale) if folded is None else folded)
-        return result
-
     def check_finite(self, grads):
-        """Whether every gradient is finite: Keras's check, except that a
-        sparse gradient is judged by its values (`replicas.all_finite`)."""
+        """Keras's check; a sparse gradient is judged by its values."""
         checked = getattr(self, "_checked", None)
         return replicas.all_true(replicas.flags_for(grads, checked))
 
@@ -268,26 +244,23 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
         Args:
             attempted: how many batches the loop has run, if known.
-            batches: a callable returning training batches to re-run
-                eagerly (up to 8): inputs, or with `loss` `(x, y[,
-                sample_weight])` tuples. Without it nothing is promoted.
-            loss: `loss(y_true, y_pred[, sample_weight=])`, the training
-                loss, to re-run the backward pass.
+            batches: a callable returning up to 8 training batches to re-run
+                (inputs; with `loss`, `(x, y[, sample_weight])`); None
+                promotes nothing.
+            loss: `loss(y_true, y_pred[, sample_weight=])`, the loss.
             step_loss: instead of `loss`, for a step whose loss is not a
                 function of one model's outputs (a GAN's): `step_loss(batch)`,
                 the unscaled loss the step differentiates for this
                 optimizer's model, computed from one of `batches` as the
                 step computes it (see `preflight`).
 
-        Returns:
-            The `Promotion`s made (usually none).
+        Returns the `Promotion`s made (usually none).
         """
         loss = recovery.user_loss(loss, step_loss)
         return self._recovery.check(self, attempted, batches, loss)
 
     def applied_models(self) -> list:
-        """The live instrumented models whose variables the latest `apply`
-        received (several for a VAE's encoder and decoder)."""
+        """The live instrumented models the latest `apply` trained."""
         return [m for m in (r() for r in self._applied_models) if m is not None]
 
     def preflight(
@@ -320,8 +293,8 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         gan.fit(dataset)
         ```
 
-        The check is eager and leaves every variable as it found it; the
-        instrumented models the loss calls run their plain forward pass.
+        The check is eager, leaves every variable as it found it, and runs
+        the plain forward pass of every instrumented model the loss calls.
 
         Args:
             model: the instrumented model this optimizer trains.
@@ -331,24 +304,22 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 only).
             loss: `loss(y_true, y_pred[, sample_weight=])`, a loss of
                 `model`'s outputs (reduced to the batch mean).
-            limit: how many of `batches` to check.
-            first: choose S even when nothing was promoted.
+            limit, first: how many of `batches` to check; whether to
+                choose S even when nothing was promoted.
             step_loss: instead of `loss`, `step_loss(batch)`: the unscaled
                 scalar loss the step differentiates for `model`'s weights,
                 computed from one batch by calling the models, as the step
                 does (a gradient penalty's inner tape included).
 
-        Returns:
-            (the promotions made, why a failure was left unpromoted or
-            None).
+        Returns (the promotions made, why a failure was left unpromoted or
+        None).
         """
         loss = recovery.user_loss(loss, step_loss)
         self._build_once(model.trainable_variables)
         return self._recovery.preflight(self, model, batches, loss, limit, first)
 
     def scale_loss(self, loss: tf.Tensor) -> tf.Tensor:
-        """Multiplies `loss` by the global scale S (and records whether the
-        loss was finite, for the message of a skipped step)."""
+        """`loss` times S (whether it was finite is kept for messages)."""
         if self.built:
             skips.record_loss(self, loss)
         return super().scale_loss(loss)

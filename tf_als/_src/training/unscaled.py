@@ -20,6 +20,7 @@ product is already computed, and folding would save no work).
 
 import weakref
 
+import keras
 import tensorflow as tf
 
 from tf_als._src.model import _keras
@@ -81,6 +82,27 @@ class UnscaledGradients:
             return None
         _, raw, factor = entry
         return unscale(raw, factor / tf.cast(scale, tf.float32))
+
+
+def divide_by_scale(optimizer, grads, variables, models) -> list:
+    """`grads` divided by the global scale of `optimizer`: a gradient the
+    backward pass of one of `models` unscaled as a whole is divided in
+    that same multiply (`UnscaledGradients.divided`), any other as Keras
+    divides it; a gradient the optimizer overwrites its variable with is
+    left as it is."""
+    scale = optimizer.dynamic_scale
+    result = []
+    for g, v in zip(grads, variables):
+        if g is None or _keras.overwrites_with_gradient(optimizer, v):
+            result.append(g)
+            continue
+        folded = None
+        for model in models:
+            folded = model.unscaled_gradients.divided(g, scale)
+            if folded is not None:
+                break
+        result.append(keras.ops.divide(g, scale) if folded is None else folded)
+    return result
 
 
 def traced_graph():
