@@ -2,9 +2,9 @@
 sort they replace, side by side in one process.
 
 For float16 gradients of growing size (log-normal magnitudes, a third
-zeros), times `rule.tallies` (amax and a count per binary exponent,
+zeros), times `tallies.tallies` (amax and a count per binary exponent,
 what a scaling point runs on an update step) followed by
-`rule.statistics_of_tallies` (the percentile, fractions and
+`tallies.statistics_of_tallies` (the percentile, fractions and
 histogram derived from it), and the same statistics with the
 percentile from a full sort (`tfp.stats.percentile` on the nonzero
 magnitudes, what tf_als ran before), each compiled with `tf.function`, XLA
@@ -23,7 +23,7 @@ import tensorflow as tf
 import tensorflow_probability as tfp
 
 sys.path.insert(0, ".")
-from tf_als._src.scaling import rule  # noqa: E402
+from tf_als._src.scaling import tallies  # noqa: E402
 
 SIZES = (2**14, 2**17, 2**20, 2**22)
 
@@ -39,7 +39,7 @@ def _sorted_statistics(g, rate):
     index = tf.floor(rate * tf.maximum(nonzero - 1.0, 0.0))
     q = tf.minimum(100.0 * (index + 0.5) / tf.maximum(size - 1.0, 1.0), 100.0)
     percentile = tfp.stats.percentile(masked, q, interpolation="lower")
-    _, histograms = rule.statistics_of_tallies(rule.tallies([g]), 0.0)
+    _, histograms = tallies.statistics_of_tallies(tallies.tallies([g]), 0.0)
     histogram = histograms[0]
     return tf.concat(
         [tf.stack([percentile, tf.reduce_max(magnitudes)]), histogram], 0
@@ -48,7 +48,7 @@ def _sorted_statistics(g, rate):
 
 def _linear_statistics(g, rate):
     """tf_als's: the tally, then the statistics derived from it."""
-    stats, histograms = rule.statistics_of_tallies(rule.tallies([g]), rate)
+    stats, histograms = tallies.statistics_of_tallies(tallies.tallies([g]), rate)
     return tf.concat([tf.stack([stats.percentile[0], stats.amax[0]]), histograms[0]], 0)
 
 

@@ -19,7 +19,7 @@ import tensorflow as tf
 from tensorboard.backend.event_processing import event_accumulator
 
 import tf_als
-from tf_als._src.scaling import rule
+from tf_als._src.scaling import tallies
 from tf_als._src.monitoring import callbacks
 from tf_als._src.monitoring import font
 from tf_als._src.monitoring import overview
@@ -146,7 +146,7 @@ def test_epoch_logs_reach_history_and_csv_logger(mixed, tmp_path):
     shares = []
     for point in model.scaling_points:
         histogram, scale = point.read_histogram(), point.read()["scale"]
-        exponents = np.asarray(rule.HISTOGRAM_EXPONENTS) + np.log2(scale)
+        exponents = np.asarray(tallies.HISTOGRAM_EXPONENTS) + np.log2(scale)
         shares.append(float(np.sum(histogram[exponents < -14])))
     assert fit.history["worst_subnormal_fraction"][-1] == pytest.approx(max(shares), rel=1e-6)
     with open(path) as handle:

@@ -21,6 +21,7 @@ import tensorflow as tf
 
 from tf_als._src.scaling import _pow2
 from tf_als._src.scaling import rule
+from tf_als._src.scaling import tallies
 from tests.modes import MODES, compiled
 
 INF = float("inf")
@@ -64,7 +65,7 @@ def power_of_two_below(value):
 def assert_statistics(stats, percentile, amax, zero, subnormal, near_max, what=""):
     """`percentile` is the exact quantile; the statistic must equal it
     rounded down to a power of two."""
-    assert isinstance(stats, rule.GradientStatistics)
+    assert isinstance(stats, tallies.GradientStatistics)
     expected = dict(
         percentile=power_of_two_below(percentile),
         amax=amax,
@@ -169,22 +170,22 @@ def test_pow2_accepts_int64_exponents(run):
 
 # --------------------------------------------------------------------------
 # One gradient's telemetry, as the training step derives it for many points
-# at once (`rule.tallies`, then `rule.statistics_of_tallies`).
+# at once (`tallies.tallies`, then `tallies.statistics_of_tallies`).
 # --------------------------------------------------------------------------
 
 
-def gradient_statistics(gradients, underflow_rate) -> rule.GradientStatistics:
+def gradient_statistics(gradients, underflow_rate) -> tallies.GradientStatistics:
     """The statistics of one gradient (or a pooled list of them)."""
-    statistics, _ = rule.statistics_of_tallies(
-        rule.tallies([gradients]), underflow_rate
+    statistics, _ = tallies.statistics_of_tallies(
+        tallies.tallies([gradients]), underflow_rate
     )
-    return rule.GradientStatistics(*[field[0] for field in statistics])
+    return tallies.GradientStatistics(*[field[0] for field in statistics])
 
 
 def log2_histogram(gradients) -> tf.Tensor:
     """The log2 histogram of one gradient: fractions per exponent of
-    `rule.HISTOGRAM_EXPONENTS` (zeros and non-finite elements in no bin)."""
-    _, histograms = rule.statistics_of_tallies(rule.tallies([gradients]), 0.0)
+    `tallies.HISTOGRAM_EXPONENTS` (zeros and non-finite elements in no bin)."""
+    _, histograms = tallies.statistics_of_tallies(tallies.tallies([gradients]), 0.0)
     return histograms[0]
 
 
@@ -683,10 +684,10 @@ TALLY_CASES = [
 def test_tally_counts_every_binary_exponent(run):
     """amax and one count per exponent, against numpy's frexp: float16
     subnormals are float32 normals, so each has its own exponent."""
-    outputs = run(lambda gs: tf.unstack(rule.tallies(gs)), [g for _, g in TALLY_CASES])
+    outputs = run(lambda gs: tf.unstack(tallies.tallies(gs)), [g for _, g in TALLY_CASES])
     for (what, gradients), out in zip(TALLY_CASES, outputs):
         values = np.concatenate([np.asarray(g, np.float64).ravel() for g in gradients])
-        assert out.shape == (rule.TALLY_SIZE,)
+        assert out.shape == (tallies.TALLY_SIZE,)
         assert_exact(out, _numpy_tally(values), what=what)
 
 
@@ -696,8 +697,8 @@ def test_statistics_of_tallies_keeps_rows_apart(run):
     gradients = [g for _, g in TALLY_CASES]
 
     def fn(gs):
-        stats, histograms = rule.statistics_of_tallies(
-            rule.tallies(gs), 0.5
+        stats, histograms = tallies.statistics_of_tallies(
+            tallies.tallies(gs), 0.5
         )
         return stats, histograms, [
             gradient_statistics(g, 0.5) for g in gs
@@ -719,7 +720,7 @@ def test_tally_then_choose_with_knobs(run):
     # amax chooses, ceiling 2**10, margin 2**4: amax 3 -> 3 * 2**(k+4) <=
     # 65504 -> k = 10, at the ceiling -> 2**10.
     def fn(g):
-        stats, _ = rule.statistics_of_tallies(rule.tallies([[g]]), 0.01)
+        stats, _ = tallies.statistics_of_tallies(tallies.tallies([[g]]), 0.01)
         return (
             choose(stats.amax[0], tf.constant(2.0**10), tf.constant(2.0**4)),
             choose(rule.amax_of(g), tf.constant(2.0**10), tf.constant(2.0**4)),
@@ -742,9 +743,9 @@ def test_log2_histogram(run):
     # 65504 and 2**20 at or above the highest (15), so they land in the
     # end bins; 0, inf and NaN are in no bin. Fractions of all 10 elements.
     g = f32([0.0, 1.0, 1.5, 2.0**-20, 2.0**-30, 65504.0, 2.0**20, INF, NAN, -0.75])
-    expected = np.zeros([len(rule.HISTOGRAM_EXPONENTS)], np.float32)
+    expected = np.zeros([len(tallies.HISTOGRAM_EXPONENTS)], np.float32)
     for exponent, fraction in [(0, 0.2), (-1, 0.1), (-20, 0.1), (-24, 0.1), (15, 0.2)]:
-        expected[rule.HISTOGRAM_EXPONENTS.index(exponent)] = fraction
+        expected[tallies.HISTOGRAM_EXPONENTS.index(exponent)] = fraction
     assert_exact(run(log2_histogram, g), expected)
 
 
@@ -752,9 +753,9 @@ def test_log2_histogram_of_float16_subnormals(run):
     # Every float16 subnormal magnitude k * 2**-24 has exponent
     # floor(log2 k) - 24: 2**-24 -> -24, 3 * 2**-24 -> -23, 2**-15 -> -15.
     g = f16([2.0**-24, 3 * 2.0**-24, 2.0**-15, 0.0])
-    expected = np.zeros([len(rule.HISTOGRAM_EXPONENTS)], np.float32)
+    expected = np.zeros([len(tallies.HISTOGRAM_EXPONENTS)], np.float32)
     for exponent in (-24, -23, -15):
-        expected[rule.HISTOGRAM_EXPONENTS.index(exponent)] = 0.25
+        expected[tallies.HISTOGRAM_EXPONENTS.index(exponent)] = 0.25
     assert_exact(run(log2_histogram, g), expected)
 
 
@@ -943,7 +944,7 @@ def test_sample_is_small_odd_strided_and_whole_when_small(run):
     big = np.arange(64 * 1024, dtype=np.float32).reshape(64, 32, 32)
 
     def fn(a, b):
-        return rule.sample(a), rule.sample(b)
+        return tallies.sample(a), tallies.sample(b)
 
     whole, strided = run(fn, f32(small), f32(big))
     assert_exact(whole, small)
@@ -965,20 +966,20 @@ def test_telemetry_tallies_count_each_points_samples_and_keep_the_exact_amax(run
     third = np.array([2.0**-24, 7.0, -7.0], np.float16)
 
     def fn(g, other, third, amaxes):
-        samples = [[rule.sample(g), other], [third], []]
-        return rule.telemetry_tallies(samples, amaxes), [
-            rule.tallies([s])[0] for s in samples
+        samples = [[tallies.sample(g), other], [third], []]
+        return tallies.telemetry_tallies(samples, amaxes), [
+            tallies.tallies([s])[0] for s in samples
         ]
 
     amaxes = tf.constant([5.0, 7.0, 0.0])
-    tallies, alone = run(fn, f32(g), tf.constant(other), tf.constant(third), amaxes)
-    assert tallies.shape == (3, rule.TALLY_SIZE)
-    assert_exact(tallies[:, 0], amaxes.numpy())
-    for row, expected in zip(tallies, alone):
+    counts, alone = run(fn, f32(g), tf.constant(other), tf.constant(third), amaxes)
+    assert counts.shape == (3, tallies.TALLY_SIZE)
+    assert_exact(counts[:, 0], amaxes.numpy())
+    for row, expected in zip(counts, alone):
         assert_exact(row[1:], np.asarray(expected)[1:])
-    assert tallies[0, 1:].sum() == len(range(0, 8193, 3)) + len(other)
-    assert tallies[2, 1:].sum() == 0
-    stats, _ = rule.statistics_of_tallies(tallies[:1], 0.0)
+    assert counts[0, 1:].sum() == len(range(0, 8193, 3)) + len(other)
+    assert counts[2, 1:].sum() == 0
+    stats, _ = tallies.statistics_of_tallies(counts[:1], 0.0)
     assert float(stats.percentile[0]) == 2.0**-20
 
 
@@ -990,7 +991,7 @@ def test_sample_with_an_unknown_batch_strides_through_the_first_examples():
 
     @tf.function(input_signature=[tf.TensorSpec([None, 64, 64], tf.float32)])
     def fn(g):
-        return rule.sample(g)
+        return tallies.sample(g)
 
     # 4 * 4096 elements, at most 4096: stride 4, made odd: 5.
     expected = values[:4].ravel()[::5]

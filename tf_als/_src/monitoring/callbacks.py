@@ -19,7 +19,7 @@ from tf_als._src.model.instrument import InstrumentedModel
 from tf_als._src.training.optimizer import AdaptiveLossScaleOptimizer
 from tf_als._src.monitoring import overview
 from tf_als._src.failures import promote
-from tf_als._src.scaling import rule
+from tf_als._src.scaling import tallies
 from tf_als._src.training import state
 from tf_als._src.failures import storm
 
@@ -27,7 +27,7 @@ NonFiniteGuard = storm.NonFiniteGuard  # Defined with the error it raises.
 
 POINT_QUANTITIES = ("scale",) + state.RECORD_FIELDS
 """Per point and update: the per-layer scale, the cumulative scale, the
-`rule.GradientStatistics` of the incoming gradient, and the forward
+`tallies.GradientStatistics` of the incoming gradient, and the forward
 headroom of the point's float16 output (`state.FORWARD_FIELDS`)."""
 
 EPOCH_LOG_KEYS = ("loss_scale", "skipped_steps", "worst_subnormal_fraction")
@@ -396,7 +396,7 @@ def _write_histogram(tag, fractions, step):
     exponent e (the histogram plugin's [left, right, count] tensor)."""
     from tensorboard.plugins.histogram import metadata
 
-    exponents = np.asarray(rule.HISTOGRAM_EXPONENTS, np.float64)
+    exponents = np.asarray(tallies.HISTOGRAM_EXPONENTS, np.float64)
     buckets = np.stack(
         [exponents, exponents + 1.0, np.asarray(fractions, np.float64)], axis=1
     )

@@ -11,6 +11,7 @@ import numpy as np
 
 from tf_als._src.monitoring import font
 from tf_als._src.scaling import rule
+from tf_als._src.scaling import tallies
 
 WORST_COUNT = 3
 """How many layers the overview names for underflow and for overflow."""
@@ -32,16 +33,16 @@ def subnormal_after_scale(histogram, scale: float) -> float:
 
     Args:
         histogram: the point's log2 histogram fractions, one per
-            exponent in `rule.HISTOGRAM_EXPONENTS`.
+            exponent in `tallies.HISTOGRAM_EXPONENTS`.
         scale: the point's scale s_n (a power of two).
 
-    >>> h = np.zeros(len(rule.HISTOGRAM_EXPONENTS))
+    >>> h = np.zeros(len(tallies.HISTOGRAM_EXPONENTS))
     >>> h[[0, 10, 30]] = 0.25      # elements at 2**-24, 2**-14, 2**6
     >>> subnormal_after_scale(h, 1.0), subnormal_after_scale(h, 2.0**10)
     (0.25, 0.0)
     """
     shift = int(np.round(np.log2(scale)))
-    exponents = np.asarray(rule.HISTOGRAM_EXPONENTS) + shift
+    exponents = np.asarray(tallies.HISTOGRAM_EXPONENTS) + shift
     below = exponents < np.log2(rule.FLOAT16_MIN_NORMAL)
     return float(np.sum(np.asarray(histogram, np.float64)[below]))
 

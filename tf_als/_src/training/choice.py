@@ -18,6 +18,7 @@ import tensorflow as tf
 from tf_als._src.model import _keras
 from tf_als._src.scaling import config as config_module
 from tf_als._src.scaling import rule
+from tf_als._src.scaling import tallies
 from tf_als._src.training import pass_record
 from tf_als._src.training import unscaled
 
@@ -91,7 +92,7 @@ class Choice:
             scale = rule.scale_within(
                 amax, self._headroom()[point], config.max_layer_scale, scale_out
             )
-        samples = tuple(rule.sample(dy) for dy in upstream)
+        samples = tuple(tallies.sample(dy) for dy in upstream)
         self.record.put(point, pass_record.PointRecord(scale, scale_out, amax, samples))
         self._used[point] = scale
         return scale

@@ -29,7 +29,7 @@ class PointRecord(NamedTuple):
         scale_out: float32 scalar, T_out, the scale its incoming gradient
             carried.
         amax: float32 scalar, the incoming gradient's amax.
-        samples: the `rule.sample` of each incoming gradient, for
+        samples: the `tallies.sample` of each incoming gradient, for
             the telemetry (tallied on telemetry steps only).
         products: the weight gradients the point's own backward pass
             produced and unscaled (not an inner point's), for its gain

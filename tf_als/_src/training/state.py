@@ -18,16 +18,17 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_als._src.scaling import rule
+
+from tf_als._src.scaling import tallies
 
 # The forward headroom of a point's float16 outputs
 # (`rule.forward_headroom`): their amax, and the share of elements within
 # `rule.NEAR_MAX_FACTOR` of float16's maximum.
 FORWARD_FIELDS = ("forward_amax", "forward_near_max_fraction")
 # Layout of a `records` row: the cumulative scale, the fields of
-# `rule.GradientStatistics` in order, then `FORWARD_FIELDS` (new columns
+# `tallies.GradientStatistics` in order, then `FORWARD_FIELDS` (new columns
 # go last, so an older file's rows load as a prefix).
-RECORD_FIELDS = ("cumulative_scale",) + rule.GradientStatistics._fields + FORWARD_FIELDS
+RECORD_FIELDS = ("cumulative_scale",) + tallies.GradientStatistics._fields + FORWARD_FIELDS
 # The variables, in the order they are created (and saved).
 VARIABLES = (
     "scales", "records", "histograms", "last_updates", "due", "backoff",
@@ -64,14 +65,14 @@ class ScalingState(keras.layers.Layer):
       layer's input and weight gradients carry; then the incoming
       gradient's `percentile`, `amax`, `zero_fraction`,
       `subnormal_fraction` and `near_max_fraction` (see
-      `rule.GradientStatistics`; amax is exact, the rest are
-      estimated from a sample of the gradient, `rule.sample`); then
+      `tallies.GradientStatistics`; amax is exact, the rest are
+      estimated from a sample of the gradient, `tallies.sample`); then
       the point's float16 forward outputs' `forward_amax` and
       `forward_near_max_fraction`, the share of their elements with
       magnitude >= 65504 / `rule.NEAR_MAX_FACTOR` (both exact; 0
       for a point without float16 outputs, such as a layer in float32).
-    - `histograms`: float32 `[points, len(rule.HISTOGRAM_EXPONENTS)]`, the
-      log2 histogram (`rule.statistics_of_tallies`) of each incoming gradient's sample at
+    - `histograms`: float32 `[points, len(tallies.HISTOGRAM_EXPONENTS)]`, the
+      log2 histogram (`tallies.statistics_of_tallies`) of each incoming gradient's sample at
       the last telemetry step.
     - `last_updates`: int64 `[points]`, the optimizer step of each point's
       last telemetry record (-1 before the first).
@@ -140,7 +141,7 @@ class ScalingState(keras.layers.Layer):
         self.records = self._state("records", records)
         self.histograms = self._state(
             "histograms",
-            np.zeros([points, len(rule.HISTOGRAM_EXPONENTS)], np.float32),
+            np.zeros([points, len(tallies.HISTOGRAM_EXPONENTS)], np.float32),
         )
         self.last_updates = self._state("last_updates", np.full([points], -1, np.int64))
         self.due = self._state("due", np.ones([], np.int64))
@@ -341,8 +342,8 @@ def record_vector(cumulative_scale, statistics, forward=None, axis=0):
     into a record in `RECORD_FIELDS` order (or, with `axis=1`, [points] of
     each into [points, record] rows).
 
-    >>> statistics, _ = rule.statistics_of_tallies(
-    ...     rule.tallies([tf.constant([0.0, 2.0])]), 0.01)
+    >>> statistics, _ = tallies.statistics_of_tallies(
+    ...     tallies.tallies([tf.constant([0.0, 2.0])]), 0.01)
     >>> stats = [field[0] for field in statistics]
     >>> record_vector(4.0, stats, (100.0, 0.0)).numpy().tolist()
     [4.0, 2.0, 2.0, 0.5, 0.0, 0.0, 100.0, 0.0]

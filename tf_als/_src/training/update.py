@@ -17,9 +17,9 @@ optimizer calls `write_pass`, which
    `silent` reads;
 3. on telemetry steps (every `telemetry_interval` steps), tallies every
    point's sample of its incoming gradient at once
-   (`rule.telemetry_tallies`),
+   (`tallies.telemetry_tallies`),
    derives the statistics and histograms of all points at once
-   (`rule.statistics_of_tallies`), adds the forward headroom the
+   (`tallies.statistics_of_tallies`), adds the forward headroom the
    forward pass measured (`choice.Choice.measure_forward`: the
    exact amax and near-maximum share of each point's float16 outputs) and
    writes the records: one branch for the whole model, never one per
@@ -39,6 +39,8 @@ them, so each replica records its own (see docs/distributed.md).
 import tensorflow as tf
 
 from tf_als._src.scaling import rule
+
+from tf_als._src.scaling import tallies
 from tf_als._src.training import state as state_module
 
 
@@ -105,12 +107,12 @@ def _telemetry_rows(records, forward, points, chosen, config):
     from their `PointRecord`s and `chosen` scales: the statistics of each
     incoming gradient's sample, and the forward headroom of each point's
     float16 outputs (a full pass over each: telemetry steps only)."""
-    tallies = rule.telemetry_tallies(
+    counts = tallies.telemetry_tallies(
         [records[p].samples for p in points],
         tf.stack([records[p].amax for p in points]),
     )
-    statistics, histograms = rule.statistics_of_tallies(
-        tallies, config.underflow_rate
+    statistics, histograms = tallies.statistics_of_tallies(
+        counts, config.underflow_rate
     )
     scale_in = chosen * tf.stack([records[p].scale_out for p in points])
     headroom = tf.stack(
