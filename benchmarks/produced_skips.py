@@ -43,7 +43,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import keras  # noqa: E402
-import numpy as np  # noqa: E402
 
 from tests import architectures  # noqa: E402
 
