@@ -71,10 +71,10 @@ BN_MOMENTUM = 0.9  # as in the demo: short runs must evaluate sensibly
 def build_model(name, input_shape, classes):
     import keras
 
-    from tf_als._src.demo import demo
+    from tf_als._src.demo import models
 
     if name in ("cnn", "sigmoid-mlp"):
-        return demo.build_model(name, input_shape, classes)
+        return models.build_model(name, input_shape, classes)
     if name != "resnet":
         raise ValueError(f"`model` must be one of {', '.join(MODELS)}; received {name!r}.")
     layers = keras.layers

@@ -2,8 +2,8 @@
 filter.
 
 The demo's claims are checked from the results it returns, against its
-own float32 run: tf_als within `demo.ACCURACY_TOLERANCE` (digits, test
-accuracy) and `demo.R2_TOLERANCE` (prices, test R2) of float32; Keras's
+own float32 run: tf_als within `tables.ACCURACY_TOLERANCE` (digits, test
+accuracy) and `tables.R2_TOLERANCE` (prices, test R2) of float32; Keras's
 global scale flushing a layer's gradient that tf_als keeps; Keras's price
 run ending non-finite or skipping most steps where tf_als names and
 promotes the layer.
@@ -21,6 +21,7 @@ import pytest
 
 from tf_als._src.demo import datasets
 from tf_als._src.demo import demo
+from tf_als._src.demo import tables
 from tf_als._src.demo import quiet
 
 # What Keras's fit prints with verbose=1 (progress bars) or 2 (per epoch).
@@ -42,7 +43,7 @@ def _check_failure_claims(results):
     assert any("'price'" in message for message in als["warnings"])
     assert keras_run["warnings"] == []
     assert math.isfinite(als["test_r2"])
-    assert abs(als["test_r2"] - f32["test_r2"]) <= demo.R2_TOLERANCE
+    assert abs(als["test_r2"] - f32["test_r2"]) <= tables.R2_TOLERANCE
     assert als["skipped_steps"] < keras_run["skipped_steps"]
 
 
@@ -53,17 +54,17 @@ def _check_printed(printed, results):
     runs = [line for line in printed.splitlines() if " done in " in line]
     assert len(runs) == sum(len(part) for part in results.values())
     for part, part_results in results.items():
-        for run in demo.RUNS:
+        for run in tables.RUNS:
             assert any(
-                line.startswith(part) and demo.RUN_TITLES[run] in line for line in runs
+                line.startswith(part) and tables.RUN_TITLES[run] in line for line in runs
             )
     if "underflow" in results:
-        assert demo.underflow_table(results["underflow"]) in printed
-        assert demo.underflow_summary(results["underflow"]) in printed
+        assert tables.underflow_table(results["underflow"]) in printed
+        assert tables.underflow_summary(results["underflow"]) in printed
         assert f"is {results['underflow']['keras']['worst_layer']}:" in printed
     if "failure" in results:
-        assert demo.failure_table(results["failure"]) in printed
-        assert demo.failure_summary(results["failure"]) in printed
+        assert tables.failure_table(results["failure"]) in printed
+        assert tables.failure_summary(results["failure"]) in printed
         assert "promoted price to float32" in printed
         for message in results["failure"]["tf_als"]["warnings"]:
             assert f"tf_als said: {message.split('. ')[0]}" in printed
@@ -79,7 +80,7 @@ def test_failure_part_finds_and_promotes_the_layer(tmp_path, capsys):
     assert set(results) == {"failure"}
     _check_failure_claims(results["failure"])
     _check_printed(printed, results)
-    assert sorted(os.listdir(os.path.join(out, "tensorboard", "failure"))) == sorted(demo.RUNS)
+    assert sorted(os.listdir(os.path.join(out, "tensorboard", "failure"))) == sorted(tables.RUNS)
     assert not os.path.exists(os.path.join(out, "tf_als_scales.png"))  # no underflow run
 
 
@@ -87,7 +88,7 @@ def _check_outputs(out, printed, results):
     """Every run's record, the tables (printed and in results.md), the
     saved results, the TensorBoard logs and the plot."""
     assert set(results) == set(demo.PARTS)
-    for run in demo.RUNS:
+    for run in tables.RUNS:
         r = results["underflow"][run]
         assert 0.0 <= r["test_accuracy"] <= 1.0
         assert np.isfinite(r["test_loss"])
@@ -97,9 +98,9 @@ def _check_outputs(out, printed, results):
     assert results["underflow"]["float32"]["layers"] == {}
     assert results["underflow"]["float32"]["worst_layer"] is None
     with open(os.path.join(out, "results.md")) as handle:
-        tables = handle.read()
-    assert tables.count("\n") == 2 * 5 + 1  # two tables of header, rule, three runs
-    for table in tables.strip().split("\n\n"):
+        written = handle.read()
+    assert written.count("\n") == 2 * 5 + 1  # two tables of header, rule, three runs
+    for table in written.strip().split("\n\n"):
         assert table in printed
     with open(os.path.join(out, "results.json")) as handle:
         saved = json.load(handle)["results"]
@@ -107,7 +108,7 @@ def _check_outputs(out, printed, results):
     assert saved["failure"]["tf_als"] == results["failure"]["tf_als"]
     logs = os.path.join(out, "tensorboard")
     for part in demo.PARTS:
-        assert sorted(os.listdir(os.path.join(logs, part))) == sorted(demo.RUNS)
+        assert sorted(os.listdir(os.path.join(logs, part))) == sorted(tables.RUNS)
     assert "tf_als" in os.listdir(os.path.join(logs, "underflow", "tf_als"))
     with open(os.path.join(out, "tf_als_scales.png"), "rb") as handle:
         head = handle.read(24)
@@ -133,7 +134,7 @@ def test_default_demo_shows_both_things_tf_als_does(tmp_path, capsys):
     underflow = results["underflow"]
     f32, keras_run, als = underflow["float32"], underflow["keras"], underflow["tf_als"]
     assert f32["test_accuracy"] > 0.85
-    assert abs(als["test_accuracy"] - f32["test_accuracy"]) <= demo.ACCURACY_TOLERANCE
+    assert abs(als["test_accuracy"] - f32["test_accuracy"]) <= tables.ACCURACY_TOLERANCE
     worst = keras_run["worst_layer"]
     assert keras_run["layers"][worst][0] > 0.25
     assert als["layers"][worst][0] < 0.01
@@ -177,10 +178,10 @@ def test_r2_against_numpy():
     y = rng.normal(size=(50, 1))
     predictions = y + rng.normal(scale=0.3, size=(50, 1))
     expected = 1 - np.sum((y - predictions) ** 2) / np.sum((y - y.mean()) ** 2)
-    assert demo.r2(y, predictions) == pytest.approx(expected, rel=1e-12)
-    assert demo.r2(y, y) == 1.0
+    assert tables.r2(y, predictions) == pytest.approx(expected, rel=1e-12)
+    assert tables.r2(y, y) == 1.0
     predictions[3] = np.inf
-    assert math.isnan(demo.r2(y, predictions))
+    assert math.isnan(tables.r2(y, predictions))
 
 
 def test_filtered_stderr_drops_only_the_harmless_lines(capfd):

@@ -28,31 +28,16 @@ import math
 import os
 import sys
 import time
-import types
 import warnings
+
+from tf_als._src.demo import models
+from tf_als._src.demo import tables
 
 _TF_ALS_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 MODELS = ("deep-sigmoid", "cnn", "sigmoid-mlp")
-RUNS = ("float32", "keras", "tf_als")
 PARTS = ("underflow", "failure")
-RUN_TITLES = types.MappingProxyType({
-    "float32": "float32",
-    "keras": "float16, Keras LossScaleOptimizer",
-    "tf_als": "float16, tf_als",
-})
 
-
-# The demo trains a few hundred steps: with Keras's default momentum 0.99
-# the moving statistics that evaluation uses would still be far from the
-# data's (measured: 100% train, 18% test accuracy after 230 steps).
-BN_MOMENTUM = 0.9
-
-
-# Depth of `deep-sigmoid`: at 16 layers its trained gradients fit one
-# global scale again (Keras flushes 11% of the first layer's elements, with
-# 3% error); at 20, 79% (measured on digits, seed 0).
-DEEP_SIGMOID_LAYERS = 20
 
 # The underflow part trains with XLA, as Keras does on a GPU: on the CPU,
 # TensorFlow's own float16 kernels are slow (deep-sigmoid, measured in one
@@ -69,68 +54,6 @@ PRICE_LEARNING_RATE = 3.0
 PRICE_BATCH = 32
 # Epochs of the failure part: 24 steps each.
 FAILURE_EPOCHS = 15
-
-# How close tf_als's held-out result must come to float32's for the
-# closing sentences to call it "float32's": the demo's test asserts it too.
-ACCURACY_TOLERANCE = 0.02  # digits: test accuracy, absolute
-R2_TOLERANCE = 0.01  # prices: test R2, absolute
-
-
-def build_model(name, input_shape, classes):
-    """The underflow part's models.
-
-    - `deep-sigmoid`: 20 sigmoid Dense layers of 64 units, each reading the
-      previous layer's output and the input (dense input connections, as
-      DenseNet reads all earlier features). Through the input connections it
-      trains like a shallow network (about 95% test accuracy on digits in
-      float32), while the gradients of its first layers still pass through
-      up to 20 sigmoids, each of which at least quarters them: they span
-      more than float16's range.
-    - `cnn`: a small convolutional network with batch normalisation, whose
-      gradients one global scale serves.
-    - `sigmoid-mlp`: 16 plain sigmoid Dense layers, the textbook
-      vanishing-gradient network (it hardly trains, in float32 too).
-    """
-    import keras
-
-    layers = keras.layers
-    inputs = keras.Input(input_shape)
-    if name == "deep-sigmoid":
-        flat = layers.Flatten()(inputs)
-        x = layers.Dense(64, activation="sigmoid", name="sigmoid_1")(flat)
-        for depth in range(2, DEEP_SIGMOID_LAYERS + 1):
-            x = layers.Concatenate()([x, flat])
-            x = layers.Dense(64, activation="sigmoid", name=f"sigmoid_{depth}")(x)
-    elif name == "sigmoid-mlp":
-        x = layers.Flatten()(inputs)
-        for _ in range(16):
-            x = layers.Dense(64, activation="sigmoid")(x)
-    else:
-        x = inputs
-        for filters in (16, 32):
-            x = layers.Conv2D(filters, 3, padding="same", use_bias=False)(x)
-            x = layers.BatchNormalization(momentum=BN_MOMENTUM)(x)
-            x = layers.ReLU()(x)
-        x = layers.MaxPooling2D()(x)
-        x = layers.Conv2D(32, 3, padding="same", use_bias=False)(x)
-        x = layers.BatchNormalization(momentum=BN_MOMENTUM)(x)
-        x = layers.ReLU()(x)
-        x = layers.GlobalAveragePooling2D()(x)
-    outputs = layers.Dense(classes, dtype="float32", name="logits")(x)
-    return keras.Model(inputs, outputs, name=name.replace("-", "_"))
-
-
-def build_price_model(features):
-    """The failure part's model: two ReLU Dense layers and `price`, a
-    Dense(1) output in the global policy's compute dtype (float16 under
-    mixed_float16, as Keras builds it unless told otherwise)."""
-    import keras
-
-    inputs = keras.Input((features,))
-    x = keras.layers.Dense(32, activation="relu", name="hidden_1")(inputs)
-    x = keras.layers.Dense(16, activation="relu", name="hidden_2")(x)
-    outputs = keras.layers.Dense(1, name="price")(x)
-    return keras.Model(inputs, outputs, name="prices")
 
 
 class _StepCounter:
@@ -258,7 +181,7 @@ def run_underflow(run, data, initial, args, log_root):
     import keras
 
     began = time.perf_counter()
-    model = _fresh(run, lambda: build_model(args.model, data.x_train.shape[1:], data.classes), args)
+    model = _fresh(run, lambda: models.build_model(args.model, data.x_train.shape[1:], data.classes), args)
     model.set_weights(initial)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     model, optimizer, counter, history, messages = _fit(
@@ -322,7 +245,7 @@ def run_failure(run, data, initial, args, log_root, epochs):
     import tf_als
 
     began = time.perf_counter()
-    model = _fresh(run, lambda: build_price_model(data.x_train.shape[1]), args)
+    model = _fresh(run, lambda: models.build_price_model(data.x_train.shape[1]), args)
     model.set_weights(initial)
     steps = epochs * math.ceil(len(data.x_train) / PRICE_BATCH)
     schedule = keras.optimizers.schedules.CosineDecay(
@@ -337,7 +260,7 @@ def run_failure(run, data, initial, args, log_root, epochs):
     predictions = model.predict(data.x_test, batch_size=256, verbose=0)
     promoted = [p.layer for p in tf_als.promoted(model)] if run == "tf_als" else []
     return {
-        "test_r2": r2(data.y_test, predictions),
+        "test_r2": tables.r2(data.y_test, predictions),
         "steps": counter.batches,
         "skipped_steps": counter.skipped,
         "loss_scale": _scale(run, optimizer),
@@ -345,135 +268,6 @@ def run_failure(run, data, initial, args, log_root, epochs):
         "seconds": time.perf_counter() - began,
         "warnings": messages,
     }
-
-
-def r2(y, predictions):
-    """The coefficient of determination, 1 - SS_res / SS_tot, in float64;
-    NaN when a prediction is not finite."""
-    import numpy as np
-
-    y = np.asarray(y, "float64")
-    predictions = np.asarray(predictions, "float64")
-    if not np.all(np.isfinite(predictions)):
-        return float("nan")
-    return float(1.0 - np.sum((y - predictions) ** 2) / np.sum((y - y.mean()) ** 2))
-
-
-def progress(part, run, result):
-    """One line for a finished run."""
-    head = f"{part:<9} {RUN_TITLES[run]:<34} done in {result['seconds']:4.0f} s, "
-    if part == "underflow":
-        line = head + f"test accuracy {result['test_accuracy']:.3f}"
-        return line + _said(result)
-    line = head + f"test R2 {_r2_text(result['test_r2'])}"
-    if result["skipped_steps"]:
-        line += f", {result['skipped_steps']} of {result['steps']} steps skipped"
-    if result["promoted"]:
-        line += f", promoted to float32: {', '.join(result['promoted'])}"
-    return line + _said(result)
-
-
-def _said(result):
-    """The first sentence of each of tf_als's warnings, a line each (the
-    whole messages are in results.json)."""
-    return "".join(
-        f"\n    tf_als said: {message.split('. ')[0].rstrip('.')}."
-        for message in result["warnings"]
-    )
-
-
-def _r2_text(value):
-    return f"{value:.4f}" if math.isfinite(value) else "not finite"
-
-
-def _pow2(value):
-    if value <= 0:
-        return "0"
-    exponent = math.log2(value)
-    return f"2**{exponent:.0f}" if exponent == round(exponent) else f"{value:g}"
-
-
-def underflow_table(results):
-    """Part 1's Markdown table."""
-    lines = [
-        "| run | test accuracy | test loss | worst layer | its underflow | "
-        "its gradient error | skipped steps | CPU time a step vs Keras |",
-        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
-    ]
-    base = results["keras"]["step_seconds"]
-    for run in RUNS:
-        r = results[run]
-        lines.append(
-            f"| {RUN_TITLES[run]} | {r['test_accuracy']:.4f} | {r['test_loss']:.4f} | "
-            f"{r['worst_layer'] or '-'} | {r['worst_underflow']:.1%} | "
-            f"{r['worst_gradient_error']:.1%} | {r['skipped_steps']} of {r['steps']} | "
-            f"{r['step_seconds'] / base:.2f}x |"
-        )
-    return "\n".join(lines)
-
-
-def failure_table(results):
-    """Part 2's Markdown table."""
-    lines = [
-        "| run | test R2 | skipped steps | final loss scale | layers promoted to float32 |",
-        "| --- | ---: | ---: | ---: | --- |",
-    ]
-    for run in RUNS:
-        r = results[run]
-        lines.append(
-            f"| {RUN_TITLES[run]} | {_r2_text(r['test_r2'])} | "
-            f"{r['skipped_steps']} of {r['steps']} | "
-            f"{_pow2(r['loss_scale']) if run != 'float32' else '-'} | "
-            f"{', '.join(r['promoted']) or '-'} |"
-        )
-    return "\n".join(lines)
-
-
-def underflow_summary(results):
-    """What part 1's table shows, from its own numbers."""
-    keras_run, als = results["keras"], results["tf_als"]
-    layer = keras_run["worst_layer"]
-    underflow, error = keras_run["layers"][layer]
-    als_underflow, als_error = als["layers"][layer]
-    accuracies = [results[run]["test_accuracy"] for run in RUNS]
-    spread = max(accuracies) - min(accuracies)
-    accuracy = (
-        f"Test accuracy differs by {spread:.1%} at most between the three "
-        "runs: on this model the lost gradients do not change the result."
-        if spread <= ACCURACY_TOLERANCE
-        else f"Test accuracy: float32 {accuracies[0]:.3f}, Keras "
-        f"{accuracies[1]:.3f}, tf_als {accuracies[2]:.3f}."
-    )
-    return (
-        f"Underflow: the worst layer under Keras's global scale "
-        f"({_pow2(keras_run['loss_scale'])}) is {layer}: {underflow:.0%} of its "
-        f"weight-gradient elements that float32 resolves arrive as exact "
-        f"zeros (underflow) and the gradient applied is {error:.0%} off "
-        f"float32's (gradient error: |g16 - g32| / |g32| over the layer's "
-        f"weights; both at each run's final weights, mean of 4 held-out "
-        f"batches). With its own scale under tf_als the same layer has "
-        f"{als_underflow:.1%} and {als_error:.1%}. {accuracy}"
-    )
-
-
-def failure_summary(results):
-    """What part 2's table shows, from its own numbers."""
-    f32, keras_run, als = results["float32"], results["keras"], results["tf_als"]
-    ended = (
-        "its predictions are not finite"
-        if not math.isfinite(keras_run["test_r2"])
-        else f"its test R2 is {keras_run['test_r2']:.4f}"
-    )
-    promoted = ", ".join(als["promoted"]) or "no layer"
-    return (
-        f"Failure: every price is above 65504, float16's largest value, so "
-        f"no loss scale helps the float16 output layer. Keras skipped "
-        f"{keras_run['skipped_steps']} of {keras_run['steps']} steps, its "
-        f"scale fell to {_pow2(keras_run['loss_scale'])} and {ended}. tf_als "
-        f"promoted {promoted} to float32, skipped {als['skipped_steps']} "
-        f"steps and reached a test R2 of {_r2_text(als['test_r2'])} "
-        f"(float32: {_r2_text(f32['test_r2'])})."
-    )
 
 
 def parse_args(argv=None):
@@ -527,7 +321,7 @@ def _parser():
     add("--quick", action="store_true",
         help="a few seconds of training on a subset, for tests")
     add("--verbose", type=int, choices=(0, 1, 2), default=0,
-        help="Keras fit verbosity: 0 one line per run (default), 1 progress "
+        help="Keras fit verbosity: 0 one line per run (default), 1 tables.progress "
         "bars, 2 one line per epoch")
     return parser
 
@@ -548,10 +342,10 @@ def _main(args):
     results, texts, history = {}, [], None
     if "underflow" in parts:
         results["underflow"], history = _underflow_part(args, log_root)
-        texts.append((underflow_table(results["underflow"]), underflow_summary(results["underflow"])))
+        texts.append((tables.underflow_table(results["underflow"]), tables.underflow_summary(results["underflow"])))
     if "failure" in parts:
         results["failure"] = _failure_part(args, log_root)
-        texts.append((failure_table(results["failure"]), failure_summary(results["failure"])))
+        texts.append((tables.failure_table(results["failure"]), tables.failure_summary(results["failure"])))
     _write(args, results, texts, history, log_root)
     return results
 
@@ -572,13 +366,13 @@ def _underflow_part(args, log_root):
         f"epochs, batch {args.batch_size}", flush=True,
     )
     initial = _initial_weights(
-        lambda: build_model(args.model, data.x_train.shape[1:], data.classes), args
+        lambda: models.build_model(args.model, data.x_train.shape[1:], data.classes), args
     )
     results, history = {}, None
-    for run in RUNS:
+    for run in tables.RUNS:
         results[run], run_history = run_underflow(run, data, initial, args, log_root)
         history = run_history or history
-        print(progress("underflow", run, results[run]), flush=True)
+        print(tables.progress("underflow", run, results[run]), flush=True)
     return results, history
 
 
@@ -592,11 +386,11 @@ def _failure_part(args, log_root):
         f"{len(data.x_test)} test houses, {epochs} epochs, batch {PRICE_BATCH}",
         flush=True,
     )
-    initial = _initial_weights(lambda: build_price_model(data.x_train.shape[1]), args)
+    initial = _initial_weights(lambda: models.build_price_model(data.x_train.shape[1]), args)
     results = {}
-    for run in RUNS:
+    for run in tables.RUNS:
         results[run] = run_failure(run, data, initial, args, log_root, epochs)
-        print(progress("failure", run, results[run]), flush=True)
+        print(tables.progress("failure", run, results[run]), flush=True)
     return results
 
 
