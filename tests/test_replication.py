@@ -80,19 +80,18 @@ def test_probe_measures_without_touching_the_run(replication):
     assert tf_als.scales(model) == scales
 
 
-def test_the_probe_measures_a_paper_rule_run_while_it_trains(replication, tmp_path):
+def test_the_probe_measures_a_paper_rule_run_while_it_trains(replication):
     """The probe is a second instrumented model over the run's variables,
     so the run's optimizer finds it too and checks its knobs: under the
     paper's rule the first step stopped with a knob mismatch until the
     probe was compiled with the run's rule. On the sigmoid MLP, where
     Keras's single scale flushes 88% of a layer's gradient, the paper's
     per-layer scales leave every layer under the paper's 1%."""
-    argv = [
-        "underflow", "--quick", "--models", "sigmoid-mlp",
-        "--scalers", "tf_als-paper", "--output-dir", str(tmp_path),
-    ]
-    (result,) = replication.main(argv)
-    assert result["scaler"] == "tf_als-paper" and not result["diverged"]
+    data = datasets.load("digits")
+    result = replication.train(
+        "sigmoid-mlp", "tf_als-paper", 0, data, epochs=1, measure_every=1, steps=3
+    )
+    assert not result["diverged"]
     assert result["curve"], result  # measured during training, not only at the end
     assert len(result["final_underflow"]) == 17
     assert result["worst_final_underflow"] <= replication.UNDERFLOW_LIMIT, result
