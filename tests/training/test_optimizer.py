@@ -366,6 +366,33 @@ def test_a_model_whose_pass_used_other_knobs_is_refused(mixed):
     assert model.scaling_config.overflow_margin == 64.0
 
 
+def test_a_second_instrumentation_of_the_same_layers_is_named_in_the_refusal(mixed):
+    """Instrumenting one model twice gives two models over the same
+    variables; the optimizer finds both (`owners`), and the one never
+    compiled with it keeps the default knobs. Under `rule="paper"` the
+    step is refused with a message that names that case (the replication
+    benchmark's underflow probe hit it, and the message named only the
+    custom-loop cause). The refusal comes before the optimizer builds its
+    variables: made inside the refused trace, they were left unmade, and
+    every later step applied nothing, silently (its scale read as an empty
+    array). Compiled again, with the second model compiled alike, the
+    model trains."""
+    inputs = keras.Input((4,))
+    base = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+    model, second = tf_als.instrument(base), tf_als.instrument(base)
+    optimizer = ALS(keras.optimizers.SGD(0.0), rule="paper")
+    model.compile(optimizer=optimizer, loss="mse")
+    x, y = np.ones((2, 4), "float32"), np.zeros((2, 2), "float32")
+    with pytest.raises(ValueError, match=r"rule='amax'[\s\S]*rule='paper'[\s\S]*second `tf_als\.instrument`"):
+        model.train_on_batch(x, y)
+    assert not optimizer.built
+    second.compile(optimizer=ALS(keras.optimizers.SGD(0.0), rule="paper"), loss="mse")
+    model.compile(optimizer=optimizer, loss="mse")
+    model.train_on_batch(x, y)
+    assert int(optimizer.iterations.numpy()) == 1
+    assert float(keras.ops.convert_to_numpy(optimizer.dynamic_scale)) == 2.0**15
+
+
 def test_serialize_round_trip_without_custom_objects():
     optimizer = ALS(keras.optimizers.Adam(learning_rate=0.25), **CUSTOM)
     serialized = keras.saving.serialize_keras_object(optimizer)

@@ -135,7 +135,9 @@ def telemetry_interval(rule, update_interval, telemetry_interval) -> int:
 def check_same_knobs(optimizer, model) -> None:
     """Raises when `model`'s backward pass chooses its scales with other
     knobs than `optimizer`'s (it was traced, or ran, before they met: a
-    custom loop whose model was not compiled with the optimizer)."""
+    custom loop whose model was not compiled with the optimizer; or a
+    second instrumentation of the same layers, which `owners` finds by
+    their variables, never compiled with it)."""
     mine = config_module.backward_fields(optimizer.scaling_config)
     theirs = config_module.backward_fields(model.scaling_config)
     if mine == theirs:
@@ -147,7 +149,10 @@ def check_same_knobs(optimizer, model) -> None:
         f"{_knobs(optimizer.scaling_config)}: the pass is built before the "
         "optimizer applies it. Compile the model with the optimizer "
         "before its first step: `model.compile(optimizer=optimizer)` "
-        "(in a custom loop too)."
+        "(in a custom loop too). If it is a second `tf_als.instrument` "
+        "of the layers this optimizer trains, it shares their variables "
+        "and the optimizer finds it too: compile it with an optimizer of "
+        "the same knobs."
     )
 
 

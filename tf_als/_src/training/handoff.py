@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from tf_als._src.model import _keras
 from tf_als._src.training import arguments
+from tf_als._src.training import owners
 from tf_als._src.scaling import schedule as schedule_module
 
 
@@ -36,13 +37,20 @@ def before_apply(optimizer) -> tuple:
     return step(optimizer), telemetry_due, updates
 
 
-def receive(optimizer, models) -> None:
-    """Tells each of `models` (the instrumented models whose variables
-    `optimizer.apply` received) that `optimizer` trains it, and checks
-    that its backward pass uses the optimizer's knobs."""
+def receive(optimizer, variables):
+    """The instrumented models that own `variables` (those
+    `optimizer.apply` received; None: not known yet), each told that
+    `optimizer` trains it and checked to use its knobs. `apply` calls it
+    before it builds the optimizer: a refusal inside the first traced step
+    after the build left the optimizer's variables unmade, and every later
+    step a silent no-op (its scale read as an empty array)."""
+    if variables is None:
+        return None
+    models = owners.owning(variables)
     for model in models:
         model.note_trainer(optimizer)
         arguments.check_same_knobs(optimizer, model)
+    return models
 
 
 def warn_not_instrumented(optimizer) -> None:

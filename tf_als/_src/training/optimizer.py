@@ -15,7 +15,6 @@ from tf_als._src.scaling import config as config_module
 from tf_als._src.scaling import rule
 from tf_als._src.training import arguments
 from tf_als._src.training import handoff
-from tf_als._src.training import owners
 from tf_als._src.training import replicas
 from tf_als._src.training import skips
 from tf_als._src.training import unscaled
@@ -158,14 +157,14 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         skips.add_counters(self)
 
     def apply(self, grads, trainable_variables=None):
+        models = handoff.receive(self, trainable_variables)  # Before building.
         self._build_once(trainable_variables)
         variables = list(trainable_variables or _keras.optimizer_variables(self))
-        models = owners.owning(variables)
+        models = handoff.receive(self, variables) if models is None else models
         self._applied_models = [weakref.ref(m) for m in models]
         if not models and not self._warned_plain:
             self._warned_plain = True
             handoff.warn_not_instrumented(self)
-        handoff.receive(self, models)
         step, telemetry_due, updates = handoff.before_apply(self)
         scale = tf.convert_to_tensor(self.dynamic_scale)  # This step's S.
         # Divided by S before Keras's finite-step conditional, which
