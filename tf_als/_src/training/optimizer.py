@@ -33,8 +33,8 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     A `keras.optimizers.LossScaleOptimizer` with all its arguments, config
     keys and behaviour (a global scale S that halves, skipping the step,
     when a gradient is not finite and doubles after `dynamic_growth_steps`
-    finite steps), which it keeps on a model that was not instrumented. On
-    a model from `tf_als.instrument`, every call of a layer with weights
+    finite steps), kept on a model not instrumented (`check_finite` aside).
+    On a model from `tf_als.instrument`, every call of a layer with weights
     also picks its own scale s_n on every step, in the backward pass, from
     the gradient g that reaches it:
 
