@@ -123,4 +123,4 @@ def test_backward_search_names_the_loss_itself():
 
     batch = (np.ones((1, 2), "float32"), None, None)
     finding = backward_search.search(model, loss_fn, [batch], scale=1.0)
-    assert finding == nonfinite.Finding(None, nonfinite.LOSS)
+    assert finding == nonfinite.Finding(None, nonfinite.LOSS_VALUE)

@@ -99,7 +99,7 @@ def test_a_loss_summed_over_float16_outputs_fails_the_output_layer():
         return tf.cast(failure_cases.soft_dice(y, y_pred), tf.float32)
 
     (finding,) = preflight.forward_failures(model, (x, y, None), loss_fn=loss_fn)
-    assert finding.layer == "mask" and finding.reason.startswith(promote.LOSS)
+    assert finding.layer == "mask" and finding.reason.startswith(promote.LOSS_DEPARTS)
     # Keras's own losses cast to float32: the same outputs pass.
     bce = lambda x, y, p, w: keras.losses.BinaryCrossentropy()(y, p)  # noqa: E731
     assert preflight.forward_failures(model, (x, y, None), loss_fn=bce) == []

@@ -173,7 +173,7 @@ def test_the_loss_gradient_overflowing_a_float16_output_blames_its_layer():
         return keras.losses.SparseCategoricalCrossentropy()(y, y_pred)
 
     found = backward_search.first_non_finite_gradient(model, loss, (x, y, None), 1.0)
-    assert found == nonfinite.Finding("probs", nonfinite.OUTPUT)
+    assert found == nonfinite.Finding("probs", nonfinite.OUTPUT_GRADIENT)
 
 
 def _reference_loss(x, y):

@@ -169,7 +169,7 @@ class Forward:
         if self._tape is None:
             raise ValueError("Forward(loss_fn=None) has no backward pass")
         if not bool(tf.math.is_finite(self.loss)):
-            return nonfinite.Finding(layer=None, what=nonfinite.LOSS)
+            return nonfinite.Finding(layer=None, what=nonfinite.LOSS_VALUE)
         floats = [
             (nonfinite.floats(arguments), nonfinite.floats(outputs))
             for _, arguments, outputs in self.calls
@@ -314,7 +314,9 @@ def _blame(calls, finite, y_pred, outputs_finite) -> nonfinite.Finding:
             continue
         for layer, _, outputs in calls:  # Innermost producer first.
             if any(o is tensor for o in outputs):
-                return nonfinite.Finding(layer=nonfinite.layer_path(layer), what=nonfinite.OUTPUT)
+                return nonfinite.Finding(
+                    layer=nonfinite.layer_path(layer), what=nonfinite.OUTPUT_GRADIENT
+                )
     return nonfinite.Finding(layer=None, what=nonfinite.OUTSIDE)
 
 

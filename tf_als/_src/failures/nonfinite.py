@@ -21,8 +21,8 @@ import tensorflow as tf
 FORWARD_OUTPUT = "forward output"
 WEIGHTS = "weight gradients"
 INPUTS = "input gradient"
-OUTPUT = "gradient from the loss at its output"
-LOSS = "the loss itself"
+OUTPUT_GRADIENT = "gradient from the loss at its output"
+LOSS_VALUE = "the loss itself"
 OUTSIDE = "a gradient outside any layer"
 
 
@@ -33,13 +33,13 @@ class Finding:
     Attributes:
         layer: the layer's path (`layer_path`; the plan walk of `locate`
             gives the called layer's name, as the plan's calls name it), or
-            None when no layer is to blame (`LOSS`, `OUTSIDE`).
+            None when no layer is to blame (`LOSS_VALUE`, `OUTSIDE`).
         what: which values are not finite: `FORWARD_OUTPUT` (the layer's
             output, its inputs being finite), `WEIGHTS` or `INPUTS` (the
             gradients its backward pass gives its weights or hands to its
-            inputs, the gradient reaching it being finite), `OUTPUT` (the
-            loss's gradient does not fit the layer's float16 output, a model
-            output), `LOSS` or `OUTSIDE`.
+            inputs, the gradient reaching it being finite),
+            `OUTPUT_GRADIENT` (the loss's gradient does not fit the layer's
+            float16 output, a model output), `LOSS_VALUE` or `OUTSIDE`.
         point: the scaling point's name, as `tf_als.scales` names it (the
             plan walk only; else None).
         receivers: the names of the scaling points whose input gradient

@@ -269,7 +269,7 @@ def _loss_overflows(forward, loss_fn) -> list:
             failures.append(
                 Failure(
                     nonfinite.layer_path(producer),
-                    f"{promote.LOSS} ({got:.4g} against {want:.4g}: the loss "
+                    f"{promote.LOSS_DEPARTS} ({got:.4g} against {want:.4g}: the loss "
                     "sums or squares float16 outputs past 65504)",
                 )
             )
@@ -384,7 +384,7 @@ def backward_failures(forward) -> list:
             low = middle
         else:
             high, above = middle, finding
-    if above.what != nonfinite.OUTPUT or above.layer is None:
+    if above.what != nonfinite.OUTPUT_GRADIENT or above.layer is None:
         return []
     # Below 1 the scale shrinks every gradient of the model to serve this
     # output: it is the layer that fails.

@@ -35,9 +35,9 @@ MAX_FAILURES = 4
 FORWARD = "float16 forward output not finite"
 STRAYS = "float16 forward output strays from float32's"
 TARGETS = "float16 output cannot reach its targets"
-LOSS = "the loss computed from its float16 output differs from float32's"
+LOSS_DEPARTS = "the loss computed from its float16 output differs from float32's"
 BACKWARD = "float16 backward pass not finite"
-KINDS = (FORWARD, STRAYS, TARGETS, LOSS, BACKWARD)
+REASONS = (FORWARD, STRAYS, TARGETS, LOSS_DEPARTS, BACKWARD)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,13 +46,13 @@ class Promotion:
 
     Attributes:
         layer: the layer's path in the model (`layer.path`).
-        reason: why, beginning with one of `KINDS`: `FORWARD` (its float16
+        reason: why, beginning with one of `REASONS`: `FORWARD` (its float16
             output was not finite while float32's was), `STRAYS` (finite,
             but far from float32's), `TARGETS` (a float16 model output
-            whose targets float16 cannot hold), `LOSS` (the training loss
-            on this model output overflows in float16: a sum over the
-            outputs of a batch) or `BACKWARD` (which part of
-            its backward pass was not finite at every loss scale).
+            whose targets float16 cannot hold), `LOSS_DEPARTS` (the training
+            loss on this model output overflows in float16: a sum over the
+            outputs of a batch) or `BACKWARD` (which part of its backward
+            pass was not finite at every loss scale).
         step: the optimizer step (`iterations`) at which it was promoted.
     """
 
@@ -106,8 +106,8 @@ def failures(model: keras.Model) -> set:
 
 
 def kind(reason: str) -> str:
-    """The kind of a promotion's reason: one of `KINDS`."""
-    return next((k for k in KINDS if reason.startswith(k)), reason)
+    """The kind of a promotion's reason: one of `REASONS`."""
+    return next((k for k in REASONS if reason.startswith(k)), reason)
 
 
 def promote_all(model: keras.Model, findings, step: int, previous=None) -> tuple:

@@ -23,10 +23,10 @@ from tf_als._src.model._keras import Functional
 # Consumer kinds: a layer call, one input position of a nested model's
 # entry, a model output, and a loss a layer adds on its own outputs (activity
 # regularisers), which receives its gradient directly from the loss.
-CALL = "call"
+CALL_INPUT = "call"
 ENTER = "enter"
-OUTPUT = "output"
-LOSS = "loss"
+MODEL_OUTPUT = "output"
+ADDED_LOSS = "loss"
 # Call kinds.
 LAYER = "layer"
 
@@ -326,12 +326,12 @@ class _Builder:
                     consumers.setdefault(slot, []).append((ENTER, index, position))
             else:
                 for slot in call.input_slots:
-                    consumers.setdefault(slot, []).append((CALL, index))
+                    consumers.setdefault(slot, []).append((CALL_INPUT, index))
                 if getattr(operation, "activity_regularizer", None) is not None:
                     for slot in call.outputs:
-                        consumers.setdefault(slot, []).append((LOSS, index))
+                        consumers.setdefault(slot, []).append((ADDED_LOSS, index))
         for k, slot in enumerate(output_slots):
-            consumers.setdefault(slot, []).append((OUTPUT, k))
+            consumers.setdefault(slot, []).append((MODEL_OUTPUT, k))
         return Plan(
             model=model,
             calls=tuple(calls),

@@ -35,7 +35,7 @@ def run(plan, back, inputs, training, mask):
             bind(slot, y)
 
     outputs = [
-        value(slot, (graph.OUTPUT, k)) for k, slot in enumerate(plan.output_slots)
+        value(slot, (graph.MODEL_OUTPUT, k)) for k, slot in enumerate(plan.output_slots)
     ]
     outputs = tree.pack_sequence_as(_keras.outputs_struct(top), outputs)
     if isinstance(outputs, (list, tuple)) and len(outputs) == 1:
@@ -64,7 +64,7 @@ def _run_call(call, value, back, training) -> list:
             for position, (_, slot) in enumerate(call.inputs)
         ]
         return _keras.enter_functional(call.operation, flat)
-    key = (graph.CALL, call.index)
+    key = (graph.CALL_INPUT, call.index)
     filled = {kid: value(slot, key) for kid, slot in call.inputs}
     args, kwargs = _keras.fill_in(call.node, filled)
     # As `Functional.call`: the call's own flag wins over what was recorded.

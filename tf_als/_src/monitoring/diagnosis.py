@@ -106,7 +106,7 @@ class Diagnosis:
             "Float16 gradients are zero where float32's are not because the "
             "float16 forward pass overflows, and no loss scale brings them back"
         )
-        if self.forward_overflow == forward_overflow.LOSS:
+        if self.forward_overflow == forward_overflow.LOSS_ONLY:
             return (
                 f"Not underflow: overflow in the loss. {zeros}: every layer "
                 "output agrees with float32's, the float16 loss does not (a "

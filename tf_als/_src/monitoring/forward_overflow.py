@@ -31,7 +31,7 @@ NEAR_MAX = rule.NEAR_MAX_THRESHOLD
 DEPARTURE = 2.0**-4
 
 
-LOSS = "loss"  # `Diagnosis.forward_overflow` when the loss itself overflows.
+LOSS_ONLY = "loss"  # `Diagnosis.forward_overflow` when the loss itself overflows.
 
 
 def message(model, batch):
@@ -57,13 +57,13 @@ def message(model, batch):
 
 def find(model, batch, loss16, loss32) -> Optional[str]:
     """`Diagnosis.forward_overflow`: the layer where the float16 forward pass
-    departs from float32's (`_first_departing_layer`), else `LOSS` when only
-    the loss does (by more than `DEPARTURE`, relative), else None."""
+    departs from float32's (`_first_departing_layer`), else `LOSS_ONLY` when
+    only the loss does (by more than `DEPARTURE`, relative), else None."""
     culprit = _first_departing_layer(model, batch)
     if culprit is not None:
         return culprit
     if abs(loss16 - loss32) > DEPARTURE * max(abs(loss16), abs(loss32)):
-        return LOSS
+        return LOSS_ONLY
     return None
 
 

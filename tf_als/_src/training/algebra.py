@@ -59,7 +59,7 @@ class CarriedScales:
     def edge(self, consumer):
         """The scale of the gradient contribution `consumer` sends back."""
         kind = consumer[0]
-        if kind in (graph.OUTPUT, graph.LOSS):
+        if kind in (graph.MODEL_OUTPUT, graph.ADDED_LOSS):
             return 1.0  # T at the model outputs and the loss.
         call = self.plan.calls[consumer[1]]
         if kind == graph.ENTER:
