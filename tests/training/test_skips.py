@@ -283,14 +283,16 @@ def _convnext_tiny():
 @pytest.mark.slow
 def test_convnext_skips_no_more_than_keras(mixed):
     """keras.applications ConvNeXtTiny (random weights, 32x32, Adam 1e-3,
-    batch 8), 30 steps: its LayerScale starts at 1e-6 and Adam's first
+    batch 8), 12 steps: its LayerScale starts at 1e-6 and Adam's first
     steps grow it by orders of magnitude, so the gradient behind it grows
     as fast. With scales re-chosen every 100 steps, tf_als skipped 6 of
     the first 8 steps (global scale 2**15 -> 2**9) where Keras skipped
-    none."""
+    none. (30 steps until issue 40: the failure is in the first 8, and
+    the 18 steps after them cost 2.5 minutes of the slow suite.)"""
+    steps = 12
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(8 * 30, 32, 32, 3)).astype("float32")
-    y = rng.integers(0, 10, size=(8 * 30,))
+    x = rng.normal(size=(8 * steps, 32, 32, 3)).astype("float32")
+    y = rng.integers(0, 10, size=(8 * steps,))
     batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     _compare(_convnext_tiny, loss, batches)
