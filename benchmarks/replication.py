@@ -408,14 +408,21 @@ def verdict(run, reference):
     return ""
 
 
+def tuning_scalers():
+    """float32, every fixed scale of the sweep, then the scalers that need
+    no tuning."""
+    fixed = [f"fixed-{s}" for s in TUNING_SCALES]
+    return ["float32"] + fixed + ["keras", "tf_als", "tf_als-paper"]
+
+
 def tuning_experiment(args, data):
-    scalers = ["float32"] + [f"fixed-{s}" for s in TUNING_SCALES] + ["keras", "tf_als"]
+    scalers = tuning_scalers()
     jobs = [(m, s, 0) for m in args.models for s in scalers]
     return run_all(jobs, data, args, args.measure_every)
 
 
 def tuning_table(results, args):
-    scalers = ["float32"] + [f"fixed-{s}" for s in TUNING_SCALES] + ["keras", "tf_als"]
+    scalers = [s for s in tuning_scalers() if any(r["scaler"] == s for r in results)]
     header = "| scaler | " + " | ".join(args.models) + " |"
     lines = [header, "|" + " --- |" * (len(args.models) + 1)]
     failures = {m: 0 for m in args.models}
