@@ -99,8 +99,8 @@ def main():
     finally:
         keras.mixed_precision.set_global_policy("float32")
     print(
-        f"\n| model | layers | rows | first cpu s | first wall s "
-        f"| repeat cpu s | repeat wall s | keras scale | tf_als scale |"
+        "\n| model | layers | rows | first cpu s | first wall s "
+        "| repeat cpu s | repeat wall s | keras scale | tf_als scale |"
     )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, layers, n, c0, w0, c, w, ks, als in rows:
