@@ -193,6 +193,49 @@ def test_the_scale_search_agrees_with_every_power_of_two_in_fewer_passes(hidden_
         assert tried == [2.0**15, 1.0, expected]
 
 
+def _weighted_cross_entropy(x, y, y_pred, sample_weight):
+    """A cross-entropy on probabilities with a loss weight of 2**10: Keras
+    clips the probabilities at 1e-7, which bounds the loss's gradient; the
+    weight takes the failure below a scale of 2**-2."""
+    return 2.0**10 * keras.losses.SparseCategoricalCrossentropy()(y, y_pred)
+
+
+# Lowest failing exponents measured: -9, -8 and -4.
+@pytest.mark.parametrize("sharpness", [32.0, 45.0, 55.0])
+def test_the_output_search_agrees_with_every_power_of_two_in_four_passes(sharpness):
+    """A float16 softmax under a cross-entropy on probabilities, made
+    sharpened, so that the loss's gradient at the output, -1/p, fits
+    float16 only below a scale of 1. `backward_failures` blames
+    the layer that fails at the smallest power of two that is not finite,
+    as trying every power from 2**-24 up finds; it tries 1, 2**-24, then
+    the exponent the pass at 2**-24 measured and the next (four backward
+    passes where a bisection made seven)."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    hidden = layers.Dense(16, activation="relu", name="hidden")(inputs)
+    outputs = layers.Dense(4, activation="softmax", name="probs")(hidden)
+    model = keras.Model(inputs, outputs)
+    probs = model.get_layer("probs")
+    probs.kernel.assign(probs.kernel * sharpness)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 8)).astype("float32")
+    batch = (x, (x[:, 0] > 0).astype("int32") + 2 * (x[:, 1] > 0).astype("int32"), None)
+
+    lowest = next(
+        e for e in range(-24, 1)
+        if backward_search.first_non_finite_gradient(model, _weighted_cross_entropy, batch, 2.0**e)
+    )
+    assert -24 < lowest < 0
+    expected = backward_search.first_non_finite_gradient(
+        model, _weighted_cross_entropy, batch, 2.0**lowest
+    )
+    forward = backward_search.Forward(model, batch, _weighted_cross_entropy)
+    tried = _spied(forward)
+    (failure,) = preflight.backward_failures(forward)
+    assert expected.layer == failure.layer == "probs"
+    assert tried == [1.0, 2.0**-24, 2.0 ** (lowest - 1), 2.0**lowest]
+
+
 def test_fit_checks_the_first_batch_and_skips_nothing_for_it():
     """`dollars`' model, 2 epochs: promoted at step 0 and no step skipped at
     the scale chosen on the first batch for the first batches."""

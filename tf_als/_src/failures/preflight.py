@@ -376,14 +376,7 @@ def backward_failures(forward) -> list:
             return []  # The loss itself: no promotion helps.
         reason = f"{promote.BACKWARD} ({at_floor.what}) at every loss scale"
         return [Failure(at_floor.layer, reason)]
-    low, high, above = floor, 0, at_one
-    while high - low > 1:
-        middle = (high + low) // 2
-        finding = forward.at(2.0**middle)
-        if finding is None:
-            low = middle
-        else:
-            high, above = middle, finding
+    above = _lowest_failing(forward, floor, 0, at_one)
     if above.what != nonfinite.OUTPUT_GRADIENT or above.layer is None:
         return []
     # Below 1 the scale shrinks every gradient of the model to serve this
@@ -393,6 +386,34 @@ def backward_failures(forward) -> list:
         "carry the loss's gradient at any loss scale of 1 or more"
     )
     return [Failure(above.layer, reason)]
+
+
+def _lowest_failing(forward, low: int, high: int, above) -> nonfinite.Finding:
+    """Where the gradients of a `backward_search.Forward` turn non-finite
+    at the smallest power of two that fails, between `2**low` (finite) and
+    `2**high` (not: `above`). What the finite pass at `2**low` measured
+    (`Forward.largest`) names the last scale at which the layers' inputs,
+    outputs and float16 weight gradients fit: that exponent and the next
+    are tried first, so that a failure in what is measured (a float16
+    softmax output under a cross-entropy) costs two backward passes where
+    a bisection from 2**-24 to 1 made five. A failure inside a layer, which
+    nothing measured shows, leaves the guess wrong, and the bisection goes
+    on from what it found."""
+    largest = forward.largest(2.0**low)
+    guesses = []
+    if largest is not None:
+        guess = math.floor(math.log2(largest))
+        guesses = [guess, guess + 1]
+    while high - low > 1:
+        middle = next((g for g in guesses if low < g < high), (high + low) // 2)
+        if middle in guesses:
+            guesses.remove(middle)
+        finding = forward.at(2.0**middle)
+        if finding is None:
+            low = middle
+        else:
+            high, above = middle, finding
+    return above
 
 
 def largest_finite_scale(forward, scale: float) -> Optional[float]:
