@@ -63,7 +63,7 @@ def test_tf_als_trains_like_the_manual_fix(mixed, name):
 # float32's held-out accuracy over seeds 0-2 in `softmax_top` (24 steps of
 # EfficientNetV2B0 from random weights: near chance, and noisy), measured by
 # `python benchmarks/failures.py softmax_top`
-# (benchmarks/results/failures_softmax.md): 0.141, 0.250 and 0.156, a
+# (benchmarks/results/failures.md): 0.141, 0.250 and 0.156, a
 # spread of 0.11.
 SOFTMAX_SPREAD = 0.11
 
