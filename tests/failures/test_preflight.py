@@ -16,6 +16,7 @@ from tf_als._src.failures import backward_search
 from tf_als._src.failures import preflight
 from tf_als._src.failures import promote
 from tests import failure_cases
+from tests.failures import test_promote_backward
 
 layers = keras.layers
 pytestmark = pytest.mark.usefixtures("mixed")
@@ -210,13 +211,7 @@ def test_the_output_search_agrees_with_every_power_of_two_in_four_passes(sharpne
     as trying every power from 2**-24 up finds; it tries 1, 2**-24, then
     the exponent the pass at 2**-24 measured and the next (four backward
     passes where a bisection made seven)."""
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((8,))
-    hidden = layers.Dense(16, activation="relu", name="hidden")(inputs)
-    outputs = layers.Dense(4, activation="softmax", name="probs")(hidden)
-    model = keras.Model(inputs, outputs)
-    probs = model.get_layer("probs")
-    probs.kernel.assign(probs.kernel * sharpness)
+    model = test_promote_backward.sharp_softmax(sharpness)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(64, 8)).astype("float32")
     batch = (x, (x[:, 0] > 0).astype("int32") + 2 * (x[:, 1] > 0).astype("int32"), None)

@@ -157,16 +157,24 @@ def test_the_search_leaves_the_model_as_it_found_it():
         np.testing.assert_array_equal(a, b)
 
 
-def test_the_loss_gradient_overflowing_a_float16_output_blames_its_layer():
-    """A float16 softmax output under a cross-entropy on probabilities:
-    the loss's gradient, -1/p, does not fit float16 where p is small."""
+def sharp_softmax(sharpness):
+    """A Dense and a float16 softmax of 4 classes on 8 inputs, from seed 0,
+    the softmax's kernel multiplied by `sharpness`: the sharper, the
+    smaller its smallest probabilities."""
     keras.utils.set_random_seed(0)
     inputs = keras.Input((8,))
     h = layers.Dense(16, activation="relu", name="hidden")(inputs)
     outputs = layers.Dense(4, activation="softmax", name="probs")(h)
     model = keras.Model(inputs, outputs)
     probs = model.get_layer("probs")
-    probs.kernel.assign(probs.kernel * 50.0)
+    probs.kernel.assign(probs.kernel * sharpness)
+    return model
+
+
+def test_the_loss_gradient_overflowing_a_float16_output_blames_its_layer():
+    """A float16 softmax output under a cross-entropy on probabilities:
+    the loss's gradient, -1/p, does not fit float16 where p is small."""
+    model = sharp_softmax(50.0)
     x, y = data()
 
     def loss(x, y, y_pred, sample_weight):
