@@ -1,7 +1,7 @@
 """The papers' research questions at CPU scale: one command per experiment.
 
     python benchmarks/replication.py underflow   # RQ-underflow (~35 min on 2 cores)
-    python benchmarks/replication.py accuracy    # RQ-accuracy  (23 min at 0.2)
+    python benchmarks/replication.py accuracy    # RQ-accuracy  (~2 h; 57 min without the fixed scales)
     python benchmarks/replication.py tuning      # RQ-tuning    (~50 min)
     python benchmarks/overhead.py                # RQ-overhead  (its own script)
 

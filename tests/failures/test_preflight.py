@@ -204,8 +204,8 @@ def _weighted_cross_entropy(x, y, y_pred, sample_weight):
 # Lowest failing exponents measured: -9, -8 and -4.
 @pytest.mark.parametrize("sharpness", [32.0, 45.0, 55.0])
 def test_the_output_search_agrees_with_every_power_of_two_in_four_passes(sharpness):
-    """A float16 softmax under a cross-entropy on probabilities, made
-    sharpened, so that the loss's gradient at the output, -1/p, fits
+    """A float16 softmax under a cross-entropy on probabilities,
+    sharpened so that the loss's gradient at the output, -1/p, fits
     float16 only below a scale of 1. `backward_failures` blames
     the layer that fails at the smallest power of two that is not finite,
     as trying every power from 2**-24 up finds; it tries 1, 2**-24, then

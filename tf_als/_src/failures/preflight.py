@@ -400,14 +400,12 @@ def _lowest_failing(forward, low: int, high: int, above) -> nonfinite.Finding:
     nothing measured shows, leaves the guess wrong, and the bisection goes
     on from what it found."""
     largest = forward.largest(2.0**low)
-    guesses = []
-    if largest is not None:
-        guess = math.floor(math.log2(largest))
-        guesses = [guess, guess + 1]
+    guesses = [] if largest is None else [math.floor(math.log2(largest))]
+    guesses += [g + 1 for g in guesses]
     while high - low > 1:
-        middle = next((g for g in guesses if low < g < high), (high + low) // 2)
-        if middle in guesses:
-            guesses.remove(middle)
+        middle = guesses.pop(0) if guesses else (high + low) // 2
+        if not low < middle < high:
+            continue
         finding = forward.at(2.0**middle)
         if finding is None:
             low = middle
