@@ -13,7 +13,7 @@ import typing
 
 import keras
 import tensorflow as tf
-from keras.src import backend as _backend
+from keras.src.backend.common import masking as _masking
 from keras.src.models import functional as _functional
 
 # Keras 3.15 `keras.src.models.functional.Functional`: the class of every
@@ -23,16 +23,17 @@ Functional = _functional.Functional
 
 
 def get_mask(x):
-    """The Keras mask `x` carries, or None. Keras 3.15
-    `keras.src.backend.get_keras_mask` (public: none; layers receive masks
-    as arguments)."""
-    return _backend.get_keras_mask(x)
+    """The Keras mask `x` carries, or None. Keras 3.15 and 3.16
+    `keras.src.backend.common.masking.get_keras_mask` (3.15 also re-exports
+    it from `keras.src.backend`, 3.16 does not; public: none, layers receive
+    masks as arguments)."""
+    return _masking.get_keras_mask(x)
 
 
 def set_mask(x, mask) -> None:
     """Attaches a Keras mask to `x`, as a layer's output carries one.
-    Keras 3.15 `keras.src.backend.set_keras_mask`."""
-    _backend.set_keras_mask(x, mask)
+    Keras 3.15 and 3.16 `keras.src.backend.common.masking.set_keras_mask`."""
+    _masking.set_keras_mask(x, mask)
 
 
 def copy_mask(source, target) -> None:
@@ -45,7 +46,19 @@ def copy_mask(source, target) -> None:
 def operation_fn(operation, training):
     """The callable `Functional.call` runs a node's operation with (the
     `training` flag of the call filled in). Keras 3.15
-    `keras.src.models.functional.operation_fn`."""
+    `keras.src.models.functional.operation_fn`. Keras 3.16 removed it
+    along with the rule it applied (the call's flag over a node's recorded
+    one, keras-team/keras#23364): until tf_als reads that rule from Keras,
+    it refuses to run there rather than run a nested model in the wrong
+    mode."""
+    if not hasattr(_functional, "operation_fn"):
+        raise RuntimeError(
+            f"tf_als runs a Functional model's layers as Keras 3.15 does; "
+            f"Keras {keras.__version__} treats a nested call's `training` "
+            "flag differently (keras-team/keras#23364), which tf_als does "
+            "not follow yet. Install a Keras it supports: "
+            "`pip install 'keras>=3.15,<3.16'`."
+        )
     return _functional.operation_fn(operation, training=training)
 
 
