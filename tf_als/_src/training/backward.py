@@ -26,6 +26,8 @@ step differentiates again (a gradient penalty's input gradient), once for
 the outer gradient; both runs use the same scales.
 """
 
+import functools
+
 import tensorflow as tf
 from keras import tree
 
@@ -84,6 +86,7 @@ class Backward:
 
         @tf.custom_gradient
         def fork(x):
+            @_named("tf_als_fork")
             def grad(*upstream):
                 scales = [self.carried.edge(c) for c in consumers]
                 common = self.carried.slot(slot)
@@ -117,6 +120,7 @@ class Backward:
 
         @tf.custom_gradient
         def enter(x):
+            @_named("tf_als_enter")
             def grad(dy):
                 t = self.carried.slot(slot)
                 return dy if t is None else _rescale(_dense(dy), 1.0, t)
@@ -141,6 +145,7 @@ class Backward:
 
         @tf.custom_gradient
         def align(*xs):
+            @_named("tf_als_align")
             def grad(*upstream):
                 common = self.carried.call(call)
                 result = []
@@ -171,14 +176,15 @@ class Backward:
         """
 
         def backward(tape, ys, xs, variables, upstream, floats):
-            common = self.carried.call(call)
-            common = 1.0 if common is None else common
-            upstream = [
-                dy if t is None else _rescale(_dense(dy), common, t)
-                for dy, t in zip(
-                    upstream, [self.carried.slot(call.outputs[i]) for i in floats]
-                )
-            ]
+            with tf.name_scope("tf_als_align"):
+                common = self.carried.call(call)
+                common = 1.0 if common is None else common
+                upstream = [
+                    dy if t is None else _rescale(_dense(dy), common, t)
+                    for dy, t in zip(
+                        upstream, [self.carried.slot(call.outputs[i]) for i in floats]
+                    )
+                ]
             again = _keras.recorded_by_a_tape(list(xs) + list(variables))
             scale = self.choice.scale(call.point, upstream, common, again)
             scale_in = scale * common
@@ -224,10 +230,11 @@ class Backward:
             input_grads, variable_grads = self._inside(
                 point, tape, ys, xs, variables, upstream, scale, scale_in
             )
-            input_grads = [
-                None if g is None else _rescale(g, scale_out, scale_in)
-                for g in input_grads
-            ]
+            with tf.name_scope("tf_als_rescale"):
+                input_grads = [
+                    None if g is None else _rescale(g, scale_out, scale_in)
+                    for g in input_grads
+                ]
             self._handled.setdefault(parent, set()).update(id(v) for v in variables)
             return input_grads, variable_grads
 
@@ -292,6 +299,7 @@ class Backward:
 
         @tf.custom_gradient
         def lift(x):
+            @_named("tf_als_lift")
             def grad(dy):
                 t = self._input_scales.get(point)
                 return dy if t is None else _rescale(_dense(dy), t, 1.0)
@@ -309,16 +317,18 @@ class Backward:
         inner point inside the call already did (each product recorded in
         the step's `unscaled.UnscaledGradients`)."""
         self._interior[point] = scale_in
-        scaled_upstream = [dy * tf.cast(scale, dy.dtype) for dy in upstream]
+        with tf.name_scope("tf_als_apply"):
+            scaled_upstream = [dy * tf.cast(scale, dy.dtype) for dy in upstream]
         grads = tape.gradient(
             ys, list(xs) + variables, output_gradients=scaled_upstream
         )
         handled = self._handled.get(point, set())
-        factor = tf.math.reciprocal(scale_in)
-        variable_grads = [
-            g if id(v) in handled else self.unscaled.unscale(g, factor)
-            for v, g in zip(variables, grads[len(xs) :])
-        ]
+        with tf.name_scope("tf_als_unscale"):
+            factor = tf.math.reciprocal(scale_in)
+            variable_grads = [
+                g if id(v) in handled else self.unscaled.unscale(g, factor)
+                for v, g in zip(variables, grads[len(xs) :])
+            ]
         if any(y.dtype == tf.float16 for y in ys):  # Sums that can overflow.
             self.record.put_products(
                 point,
@@ -328,6 +338,21 @@ class Backward:
                 ),
             )
         return grads[: len(xs)], variable_grads
+
+
+def _named(scope):
+    """Decorates a gradient function so that its ops are named under
+    `scope` (`benchmarks/op_count.py` counts them by these names)."""
+
+    def decorate(function):
+        @functools.wraps(function)
+        def named(*args, **kwargs):
+            with tf.name_scope(scope):
+                return function(*args, **kwargs)
+
+        return named
+
+    return decorate
 
 
 def _substitute(args, kwargs, flat, positions, xs):

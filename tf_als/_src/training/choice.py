@@ -63,9 +63,20 @@ class Choice:
         where Keras skipped 1)."""
         if point in self._used:
             return self._used[point]
+        with tf.name_scope("tf_als_choice"):
+            scale_out = tf.cast(scale_out, tf.float32)
+            amax = rule.amax_of(upstream)
+            scale = self._choose(point, upstream, scale_out, amax, again)
+        with tf.name_scope("tf_als_sample"):
+            samples = tuple(tallies.sample(dy) for dy in upstream)
+        self.record.put(point, pass_record.PointRecord(scale, scale_out, amax, samples))
+        self._used[point] = scale
+        return scale
+
+    def _choose(self, point, upstream, scale_out, amax, again):
+        """`scale`'s choice (float32 scalar), given the float32 `scale_out`
+        and `amax` of `upstream`."""
         config = self.config
-        scale_out = tf.cast(scale_out, tf.float32)
-        amax = rule.amax_of(upstream)
         if again:
             scale = tf.math.reciprocal(scale_out)
         elif point in self.synchronized and _replicas_in_sync() > 1:
@@ -93,9 +104,6 @@ class Choice:
                 amax, row_of(self._headroom(), point), config.max_layer_scale,
                 scale_out,
             )
-        samples = tuple(tallies.sample(dy) for dy in upstream)
-        self.record.put(point, pass_record.PointRecord(scale, scale_out, amax, samples))
-        self._used[point] = scale
         return scale
 
     def _forward_headroom(self, outputs):
@@ -107,7 +115,8 @@ class Choice:
         graph = unscaled.traced_graph()
         if graph not in self._due:
             self._due[graph] = tf.convert_to_tensor(self.state.telemetry_next) > 0
-        with _keras.unrecorded():  # Nothing differentiates a measurement.
+        # Nothing differentiates a measurement.
+        with _keras.unrecorded(), tf.name_scope("tf_als_forward"):
             return tf.cond(
                 self._due[graph],
                 lambda: rule.forward_headroom(outputs),

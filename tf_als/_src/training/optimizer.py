@@ -169,11 +169,13 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         scale = tf.convert_to_tensor(self.dynamic_scale)  # This step's S.
         # Divided by S before Keras's finite-step conditional, which
         # applies them as they come (`_stateful_handle_finite_grads`).
-        own = unscaled.divide_by_scale(self, list(grads), variables, models)
+        with tf.name_scope("tf_als_divide"):
+            own = unscaled.divide_by_scale(self, list(grads), variables, models)
         # One read per gradient, its amax: for the points' gains, and the
         # finiteness flags of replicas, `check_finite` and skip records.
-        amaxes = replicas.amaxes(own)
-        flags = replicas.flags_of(amaxes)
+        with tf.name_scope("tf_als_check"):
+            amaxes = replicas.amaxes(own)
+            flags = replicas.flags_of(amaxes)
         self._checked = (own, flags)
         try:
             super().apply(replicas.agree(list(own), flags), trainable_variables)
@@ -183,10 +185,11 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # By the gradient as the backward pass handed it over (`unscaled`).
         produced = {id(g): a for g, a in zip(grads, amaxes) if g is not None}
         for model in models:
-            keep = tf.logical_and(replicas.all_true(flags), updates)
-            update.write_pass(model, step, keep, telemetry_due, self.scaling_config)
-            update.write_gains(model, produced, scale)
-            handoff.schedule(self, model)
+            with tf.name_scope("tf_als_update"):
+                keep = tf.logical_and(replicas.all_true(flags), updates)
+                update.write_pass(model, step, keep, telemetry_due, self.scaling_config)
+                update.write_gains(model, produced, scale)
+                handoff.schedule(self, model)
         if tf.executing_eagerly() and not self._recovery.loop_checks:
             self.check_skips()
 

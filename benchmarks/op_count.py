@@ -1,0 +1,188 @@
+"""How many ops tf_als adds to the traced train step, next to Keras's
+LossScaleOptimizer: a deterministic count, no timing.
+
+Without XLA (Keras's `fit` on every CPU and under every `tf.distribute`
+strategy) TensorFlow dispatches each op of the step on its own: on a GPU a
+kernel launch, however small its tensor. With XLA each op is part of what
+XLA compiles and holds. So the count is what a user pays per step where
+timing on this CPU cannot show it.
+
+For each model both variants are built from the same weights, compiled
+without XLA, and trained one step with `fit` (which builds the optimizer
+and metrics); then the model's own `train_step` is traced in a fresh
+`tf.function` on one batch, as Keras's `fit` traces it, and its graph is
+counted: the nodes of the step's graph plus those of every function in its
+library, constants apart. A point is a scaling point of the instrumented
+model (`tf_als.points`).
+
+Printed: per model, the ops and functions of each variant, tf_als's extra
+ops per point (all, and without constants), and the op types that account
+for the extra, per point. Where tf_als's code names what an op is for
+(name scopes `tf_als_<part>`), the extra is also split by part.
+
+    python benchmarks/op_count.py                     # cnn resnet50 gpt2 bert (~3 min)
+    python benchmarks/op_count.py --models gpt2 --types 12
+
+`tests/training/test_op_count.py` keeps a ceiling on the count of a small
+model, so that no change grows it unseen.
+"""
+
+import argparse
+import collections
+import os
+import re
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+MODELS = ("cnn", "resnet50", "gpt2", "bert")
+# The issue's KerasHub backbones: 4 layers, hidden size 256, 128 tokens,
+# under a float32 Dense head; batch 2.
+BACKBONE = dict(
+    vocabulary_size=5000, num_layers=4, num_heads=4, hidden_dim=256,
+    intermediate_dim=1024, max_sequence_length=128,
+)
+_PART = re.compile(r"tf_als_([a-z_]+?)(?:_\d+)?(?:/|$)")
+
+
+def build(name):
+    """(model, loss, x, y) with random weights, under mixed_float16."""
+    import keras
+    import numpy as np
+
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    if name == "cnn":
+        inputs = keras.Input((16, 16, 3))
+        x = inputs
+        for width in (8, 16, 32):
+            x = keras.layers.Conv2D(width, 3, padding="same")(x)
+            x = keras.layers.BatchNormalization()(x)
+            x = keras.layers.ReLU()(x)
+        x = keras.layers.GlobalAveragePooling2D()(x)
+        outputs = keras.layers.Dense(10, dtype="float32")(x)
+        model = keras.Model(inputs, outputs)
+        data = rng.normal(size=(4, 16, 16, 3)).astype("float32")
+        return model, loss, data, rng.integers(0, 10, size=(4,))
+    if name == "resnet50":
+        model = keras.applications.ResNet50(
+            weights=None, input_shape=(32, 32, 3), classes=10,
+            classifier_activation=None,
+        )
+        data = rng.normal(size=(2, 32, 32, 3)).astype("float32")
+        return model, loss, data, rng.integers(0, 10, size=(2,))
+    import keras_hub
+
+    if name == "gpt2":
+        backbone = keras_hub.models.GPT2Backbone(dropout=0.0, **BACKBONE)
+        pooled = keras.layers.GlobalAveragePooling1D()(backbone(backbone.input))
+    elif name == "bert":
+        backbone = keras_hub.models.BertBackbone(dropout=0.0, **BACKBONE)
+        pooled = backbone(backbone.input)["pooled_output"]
+    else:
+        raise ValueError(f"--models: unknown model {name!r}; known: {', '.join(MODELS)}")
+    outputs = keras.layers.Dense(2, dtype="float32")(pooled)
+    model = keras.Model(backbone.input, outputs)
+    length = BACKBONE["max_sequence_length"]
+    tokens = rng.integers(0, BACKBONE["vocabulary_size"], size=(2, length))
+    x = {
+        "token_ids": tokens.astype("int32"),
+        "padding_mask": np.ones((2, length), "int32"),
+        "segment_ids": np.zeros((2, length), "int32"),
+    }
+    x = {key: value for key, value in x.items() if key in backbone.input}
+    return model, loss, x, rng.integers(0, 2, size=(2,))
+
+
+def traced_step(variant, name):
+    """(graph_def of the traced train step, number of scaling points)."""
+    import keras
+    import tensorflow as tf
+
+    import tf_als
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model, loss, x, y = build(name)
+    inner = keras.optimizers.SGD(1e-3)
+    if variant == "keras":
+        optimizer = keras.optimizers.LossScaleOptimizer(inner)
+        points = 0
+    else:
+        model = tf_als.instrument(model)
+        optimizer = tf_als.AdaptiveLossScaleOptimizer(inner)
+        points = len(tf_als.points(model))
+    model.compile(optimizer=optimizer, loss=loss, jit_compile=False)
+    model.fit(x, y, batch_size=len(y), epochs=1, verbose=0)
+    data = (tf.nest.map_structure(tf.convert_to_tensor, x), tf.convert_to_tensor(y))
+    step = tf.function(model.train_step, reduce_retracing=True)
+    graph_def = step.get_concrete_function(data).graph.as_graph_def()
+    return graph_def, points
+
+
+def count(graph_def):
+    """{"ops": Counter of op types (constants included), "functions": n,
+    "parts": Counter of tf_als parts (non-constant ops)} of a step."""
+    ops, parts = collections.Counter(), collections.Counter()
+    nodes = [(n.name, n.op) for n in graph_def.node]
+    for function in graph_def.library.function:
+        nodes += [(n.name, n.op) for n in function.node_def]
+    for node_name, op in nodes:
+        ops[op] += 1
+        found = _PART.search(node_name)
+        if found and op != "Const":
+            parts[found.group(1)] += 1
+    return {"ops": ops, "functions": len(graph_def.library.function), "parts": parts}
+
+
+def measure(name):
+    """Both variants' counts of model `name`, each built in this process
+    (the graphs are counted, not run, so they do not disturb each other)."""
+    keras_def, _ = traced_step("keras", name)
+    als_def, points = traced_step("tf_als", name)
+    return {"keras": count(keras_def), "tf_als": count(als_def), "points": points}
+
+
+def report(name, result, types):
+    """Lines of text for one model."""
+    k, a, points = result["keras"], result["tf_als"], result["points"]
+    k_ops, a_ops = sum(k["ops"].values()), sum(a["ops"].values())
+    extra = a_ops - k_ops
+    extra_nonconst = extra - (a["ops"]["Const"] - k["ops"]["Const"])
+    lines = [
+        f"| {name} | {points} | {k_ops:,} | {a_ops:,} | {extra / points:.0f} "
+        f"| {extra_nonconst / points:.0f} | {k['functions']} / {a['functions']} |"
+    ]
+    diff = {op: a["ops"][op] - k["ops"][op] for op in set(a["ops"]) | set(k["ops"])}
+    top = sorted(diff.items(), key=lambda item: -abs(item[1]))[:types]
+    detail = ", ".join(f"{op} {n / points:+.1f}" for op, n in top if n)
+    lines.append(f"  extra per point by op type: {detail}")
+    if a["parts"]:
+        by_part = ", ".join(
+            f"{part} {n / points:.1f}" for part, n in a["parts"].most_common()
+        )
+        lines.append(f"  tf_als's named parts per point (constants apart): {by_part}")
+    return lines
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--types", type=int, default=10,
+                        help="how many op types to list per model (default 10)")
+    args = parser.parse_args(argv)
+    print("| model | points | Keras: ops | tf_als: ops | extra ops per point "
+          "| of which not constants | functions, Keras / tf_als |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
+    notes = []
+    for name in args.models:
+        lines = report(name, measure(name), args.types)
+        print(lines[0], flush=True)
+        notes += [f"{name}:"] + lines[1:]
+    print()
+    print("\n".join(notes))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
