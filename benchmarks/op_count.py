@@ -124,16 +124,32 @@ def traced_step(variant, name):
 def count(graph_def):
     """{"ops": Counter of op types (constants included), "functions": n,
     "parts": Counter of tf_als parts (non-constant ops)} of a step."""
-    ops, parts = collections.Counter(), collections.Counter()
+    ops, parts, places = collections.Counter(), collections.Counter(), collections.Counter()
     nodes = [(n.name, n.op) for n in graph_def.node]
     for function in graph_def.library.function:
         nodes += [(n.name, n.op) for n in function.node_def]
     for node_name, op in nodes:
         ops[op] += 1
+        if op == "Const":
+            continue
         found = _PART.search(node_name)
-        if found and op != "Const":
+        if found:
             parts[found.group(1)] += 1
-    return {"ops": ops, "functions": len(graph_def.library.function), "parts": parts}
+        else:
+            places[_place(node_name)] += 1
+    return {"ops": ops, "functions": len(graph_def.library.function),
+            "parts": parts, "places": places}
+
+
+def _place(node_name):
+    """Where an op no tf_als part names sits: the backward pass (TensorFlow
+    names gradient ops under `gradient_tape/`), the optimizer, or the
+    forward pass and the rest."""
+    if "gradient_tape" in node_name or node_name.startswith("gradients"):
+        return "backward"
+    if "optimizer" in node_name or "sgd" in node_name.lower():
+        return "optimizer"
+    return "forward"
 
 
 def measure(name):
@@ -158,6 +174,11 @@ def report(name, result, types):
     top = sorted(diff.items(), key=lambda item: -abs(item[1]))[:types]
     detail = ", ".join(f"{op} {n / points:+.1f}" for op, n in top if n)
     lines.append(f"  extra per point by op type: {detail}")
+    places = ", ".join(
+        f"{place} {(a['places'][place] - k['places'][place]) / points:+.1f}"
+        for place in ("forward", "backward", "optimizer")
+    )
+    lines.append(f"  extra per point outside tf_als's named parts: {places}")
     if a["parts"]:
         by_part = ", ".join(
             f"{part} {n / points:.1f}" for part, n in a["parts"].most_common()
