@@ -26,6 +26,17 @@ def _knob(name: str, doc: str) -> property:
     return property(lambda self: getattr(self.scaling_config, name), doc=doc)
 
 
+def _write_back(optimizer, model, when, produced, scale) -> None:
+    """Writes the pass `model` just ran into its state and schedules its
+    next one: `when` is (step, whether to keep the scales, whether
+    telemetry is due); `produced` and `scale` as `update.write_gains`."""
+    step, keep, telemetry_due = when
+    with tf.name_scope("tf_als_update"):
+        update.write_pass(model, step, keep, telemetry_due, optimizer.scaling_config)
+        update.write_gains(model, produced, scale)
+        handoff.schedule(optimizer, model)
+
+
 @keras.saving.register_keras_serializable(package="tf_als")
 class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     """Dynamic loss scaling with per-layer adaptive scales (Zhao et al., 2019).
@@ -169,13 +180,11 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         scale = tf.convert_to_tensor(self.dynamic_scale)  # This step's S.
         # Divided by S before Keras's finite-step conditional, which
         # applies them as they come (`_stateful_handle_finite_grads`).
-        with tf.name_scope("tf_als_divide"):
-            own = unscaled.divide_by_scale(self, list(grads), variables, models)
+        own = unscaled.divide_by_scale(self, list(grads), variables, models)
         # One read per gradient, its amax: for the points' gains, and the
         # finiteness flags of replicas, `check_finite` and skip records.
-        with tf.name_scope("tf_als_check"):
-            amaxes = replicas.amaxes(own)
-            flags = replicas.flags_of(amaxes)
+        amaxes = replicas.amaxes(own)
+        flags = replicas.flags_of(amaxes)
         self._checked = (own, flags)
         try:
             super().apply(replicas.agree(list(own), flags), trainable_variables)
@@ -184,12 +193,9 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         skips.record_first_skip(self, flags)  # This replica's own, unpoisoned.
         # By the gradient as the backward pass handed it over (`unscaled`).
         produced = {id(g): a for g, a in zip(grads, amaxes) if g is not None}
+        keep = tf.logical_and(replicas.all_true(flags), updates)
         for model in models:
-            with tf.name_scope("tf_als_update"):
-                keep = tf.logical_and(replicas.all_true(flags), updates)
-                update.write_pass(model, step, keep, telemetry_due, self.scaling_config)
-                update.write_gains(model, produced, scale)
-                handoff.schedule(self, model)
+            _write_back(self, model, (step, keep, telemetry_due), produced, scale)
         if tf.executing_eagerly() and not self._recovery.loop_checks:
             self.check_skips()
 

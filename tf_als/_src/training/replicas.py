@@ -40,16 +40,18 @@ def amaxes(grads) -> list:
     >>> [float(a) for a in amaxes([tf.constant([1.0, -3.0]), None])]
     [3.0, 0.0]
     """
-    return [
-        tf.constant(0.0) if g is None
-        else rule.amax_of(g.values if isinstance(g, tf.IndexedSlices) else g)
-        for g in grads
-    ]
+    with tf.name_scope("tf_als_check"):
+        return [
+            tf.constant(0.0) if g is None
+            else rule.amax_of(g.values if isinstance(g, tf.IndexedSlices) else g)
+            for g in grads
+        ]
 
 
 def flags_of(amaxes_) -> list:
     """Whether each gradient is finite, from its amax (`amaxes`)."""
-    return [tf.math.is_finite(a) for a in amaxes_]
+    with tf.name_scope("tf_als_check"):
+        return [tf.math.is_finite(a) for a in amaxes_]
 
 
 def finite_flags(grads) -> list:

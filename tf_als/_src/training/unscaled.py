@@ -92,16 +92,17 @@ def divide_by_scale(optimizer, grads, variables, models) -> list:
     left as it is."""
     scale = optimizer.dynamic_scale
     result = []
-    for g, v in zip(grads, variables):
-        if g is None or _keras.overwrites_with_gradient(optimizer, v):
-            result.append(g)
-            continue
-        folded = None
-        for model in models:
-            folded = model.unscaled_gradients.divided(g, scale)
-            if folded is not None:
-                break
-        result.append(keras.ops.divide(g, scale) if folded is None else folded)
+    with tf.name_scope("tf_als_divide"):
+        for g, v in zip(grads, variables):
+            if g is None or _keras.overwrites_with_gradient(optimizer, v):
+                result.append(g)
+                continue
+            folded = None
+            for model in models:
+                folded = model.unscaled_gradients.divided(g, scale)
+                if folded is not None:
+                    break
+            result.append(keras.ops.divide(g, scale) if folded is None else folded)
     return result
 
 
