@@ -90,9 +90,9 @@ def divide_by_scale(optimizer, grads, variables, models) -> list:
     that same multiply (`UnscaledGradients.divided`), any other as Keras
     divides it; a gradient the optimizer overwrites its variable with is
     left as it is."""
-    scale = optimizer.dynamic_scale
     result = []
     with tf.name_scope("tf_als_divide"):
+        scale = tf.convert_to_tensor(optimizer.dynamic_scale)  # One read.
         for g, v in zip(grads, variables):
             if g is None or _keras.overwrites_with_gradient(optimizer, v):
                 result.append(g)
