@@ -180,7 +180,7 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         scale = tf.convert_to_tensor(self.dynamic_scale)  # This step's S.
         # Divided by S before Keras's finite-step conditional, which
         # applies them as they come (`_stateful_handle_finite_grads`).
-        own = unscaled.divide_by_scale(self, list(grads), variables, models)
+        own = unscaled.divide_by_scale(self, list(grads), variables, models, scale)
         # One read per gradient, its amax: for the points' gains, and the
         # finiteness flags of replicas, `check_finite` and skip records.
         amaxes = replicas.amaxes(own)

@@ -84,15 +84,15 @@ class UnscaledGradients:
         return unscale(raw, factor / tf.cast(scale, tf.float32))
 
 
-def divide_by_scale(optimizer, grads, variables, models) -> list:
-    """`grads` divided by the global scale of `optimizer`: a gradient the
+def divide_by_scale(optimizer, grads, variables, models, scale) -> list:
+    """`grads` divided by `scale`, this step's global scale of `optimizer`
+    (read once by its `apply`): a gradient the
     backward pass of one of `models` unscaled as a whole is divided in
     that same multiply (`UnscaledGradients.divided`), any other as Keras
     divides it; a gradient the optimizer overwrites its variable with is
     left as it is."""
     result = []
     with tf.name_scope("tf_als_divide"):
-        scale = tf.convert_to_tensor(optimizer.dynamic_scale)  # One read.
         for g, v in zip(grads, variables):
             if g is None or _keras.overwrites_with_gradient(optimizer, v):
                 result.append(g)
