@@ -48,23 +48,33 @@ def amaxes(grads) -> list:
         ]
 
 
-def flags_of(amaxes_) -> list:
-    """Whether each gradient is finite, from its amax (`amaxes`)."""
+def flags_of(amaxes_) -> tf.Tensor:
+    """Whether each gradient is finite, from its amax (`amaxes`): a bool
+    vector, one op for all of them."""
     with tf.name_scope("tf_als_check"):
-        return [tf.math.is_finite(a) for a in amaxes_]
+        return tf.math.is_finite(_stack(amaxes_, tf.float32))
 
 
-def finite_flags(grads) -> list:
-    """Whether each gradient of `grads` is finite (True for None)."""
-    return [tf.constant(True) if g is None else all_finite(g) for g in grads]
+def finite_flags(grads) -> tf.Tensor:
+    """Whether each gradient of `grads` is finite (True for None), as a
+    bool vector."""
+    return _stack(
+        [tf.constant(True) if g is None else all_finite(g) for g in grads], tf.bool
+    )
 
 
 def all_true(flags) -> tf.Tensor:
-    """Whether every flag is True (True for none)."""
-    return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
+    """Whether every flag of the bool vector `flags` is True (True for
+    none)."""
+    return tf.reduce_all(flags)
 
 
-def flags_for(grads, checked) -> list:
+def _stack(values, dtype) -> tf.Tensor:
+    """`values` (scalars) as a vector; an empty one of `dtype` for none."""
+    return tf.stack(values) if values else tf.zeros([0], dtype)
+
+
+def flags_for(grads, checked) -> tf.Tensor:
     """`finite_flags(grads)`, taken from `checked` (gradients, their flags)
     when `grads` are those very tensors."""
     if checked is not None and _same_tensors(checked[0], grads):
@@ -88,7 +98,7 @@ def agree(grads, flags) -> list:
 
     Args:
         grads: list of this replica's gradients (changed in place).
-        flags: `finite_flags(grads)`.
+        flags: `finite_flags(grads)`, a bool vector.
     """
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:

@@ -71,10 +71,13 @@ def skipped_step(optimizer) -> None:
 def record_first_skip(optimizer, flags) -> None:
     """After Keras's apply: if this step began a streak of skipped steps,
     records where its gradients were not finite, from `flags`
-    (`replicas.finite_flags` of this replica's own gradients)."""
+    (`replicas.finite_flags` of this replica's own gradients, a bool
+    vector)."""
 
     def record():
-        bad = tf.logical_not(tf.stack(flags or [tf.constant(True)]))
+        bad = tf.logical_not(flags)
+        if bad.shape[0] == 0:  # No gradient: nothing was bad.
+            bad = tf.constant([False])
         positions = tf.range(tf.size(bad, out_type=tf.int32))
         optimizer.first_non_finite.assign(
             tf.stack(
