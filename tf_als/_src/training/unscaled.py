@@ -62,6 +62,9 @@ class UnscaledGradients:
         # graph -> {id(product): (product, raw, factor)}; an entry lives as
         # long as the graph it was traced into.
         self._graphs = weakref.WeakKeyDictionary()
+        # graph -> {(id(factor), id(scale)): (factor, scale, factor / scale)}:
+        # one division per call and step, whatever its variables.
+        self._quotients = weakref.WeakKeyDictionary()
 
     def unscale(self, raw, factor):
         """`unscale(raw, factor)`, recorded when a graph is being traced."""
@@ -81,7 +84,11 @@ class UnscaledGradients:
         if entry is None or entry[0] is not gradient:
             return None
         _, raw, factor = entry
-        return unscale(raw, factor / tf.cast(scale, tf.float32))
+        quotients = self._quotients.setdefault(graph, {})
+        key = (id(factor), id(scale))
+        if key not in quotients:
+            quotients[key] = (factor, scale, factor / tf.cast(scale, tf.float32))
+        return unscale(raw, quotients[key][2])
 
 
 def divide_by_scale(optimizer, grads, variables, models, scale) -> list:
