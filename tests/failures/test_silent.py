@@ -122,18 +122,46 @@ def test_forward_headroom_is_recorded_on_telemetry_steps_only(mixed, mode):
     assert last.tolist() == [2, 2]
 
 
-def test_each_point_measures_its_forward_headroom_in_its_own_branch(mixed):
-    """Memory: in the traced training step, each point's float16 output is
-    measured by a branch of its own, which reads that output and nothing
-    else, so it runs as soon as the point has run and keeps no activation
-    alive longer than the layers after the point need it. One branch over
-    every point's outputs at the end of the forward pass held all of them
-    until the last point ran (on a 4-layer GPT-2 of hidden size 256 with
-    XLA, tf_als's peak fell from 2285 to 2099 MiB with a branch per point;
-    Keras's is about 1400)."""
+def _traced_step(jit_compile):
+    """The graph of a training step of `_model` (two points), traced by a
+    `tf.function` with `jit_compile`, and that function's library."""
     model, optimizer = _model(bias=5000.0, interval=2)
-    train = tf.function(_train_step(model, optimizer))
-    graph = train.get_concrete_function(tf.TensorSpec([32, 8], tf.float32)).graph
+    train = tf.function(_train_step(model, optimizer), jit_compile=jit_compile)
+    concrete = train.get_concrete_function(tf.TensorSpec([32, 8], tf.float32))
+    library = concrete.graph.as_graph_def().library.function
+    return concrete.graph, [f.signature.name for f in library]
+
+
+def test_each_point_measures_its_forward_headroom_from_its_own_output(mixed):
+    """Memory: in the traced training step (no XLA), each point's float16
+    output is read for its forward headroom by a slice of its own, which
+    reads that output and nothing else, so it runs as soon as the point has
+    run and keeps no activation alive longer than the layers after the
+    point need it. One measurement over every point's outputs at the end of
+    the forward pass held all of them until the last point ran (on a
+    4-layer GPT-2 of hidden size 256 with XLA, tf_als's peak fell from 2285
+    to 2099 MiB with a measurement per point; Keras's is about 1400). And
+    no branch: a `tf.cond` per point put two functions per point in the
+    step's library."""
+    graph, library = _traced_step(jit_compile=False)
+    slices = [
+        op for op in graph.get_operations()
+        if op.type == "Slice" and "tf_als_forward" in op.name
+    ]
+    read = [op.inputs[0] for op in slices]
+    # Two points ("big" and "head"), one float16 output each.
+    assert [x.dtype for x in read] == [tf.float16, tf.float16], [op.name for op in slices]
+    assert read[0] is not read[1]
+    assert not [op.name for op in graph.get_operations() if "forward_headroom" in op.name]
+    assert not [name for name in library if "forward_headroom" in name]
+
+
+@pytest.mark.slow
+def test_under_xla_each_point_measures_its_forward_headroom_in_its_own_branch(mixed):
+    """Under XLA (which pads a slice of dynamic extent to its bound) each
+    point measures in a branch of its own instead, which reads that
+    point's output and nothing else, for the memory reason above."""
+    graph, _ = _traced_step(jit_compile=True)
     branches = [
         op for op in graph.get_operations()
         if op.type in ("If", "StatelessIf") and "forward_headroom" in op.name

@@ -436,6 +436,20 @@ def default_graph():
     return tf.compat.v1.get_default_graph()
 
 
+def compiled_by_xla() -> bool:
+    """Whether the ops made now will be compiled by XLA: the graph being
+    traced, or one enclosing it, is a `tf.function(jit_compile=True)`
+    (Keras's `fit` with `jit_compile=True`). TensorFlow 2.21
+    `tensorflow.python.ops.control_flow_util.GraphOrParentsInXlaContext`;
+    public: none (`tf.function`'s `jit_compile` is not readable from the
+    code it traces)."""
+    if tf.executing_eagerly():
+        return False
+    from tensorflow.python.ops import control_flow_util
+
+    return bool(control_flow_util.GraphOrParentsInXlaContext(default_graph()))
+
+
 def unrecorded():
     """A context in which no gradient tape of this thread records the ops
     made: for measurements nothing differentiates (a tape that records

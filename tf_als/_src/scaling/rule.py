@@ -175,44 +175,77 @@ def amax_of(gradients) -> tf.Tensor:
 # Forward headroom: a float16 output whose magnitude reaches float16's
 # maximum divided by this factor (65504 / 16 = 4094) is "near the maximum":
 # growth by that factor, or a float16 sum over that many of its elements,
-# can reach inf. What a point's telemetry counts (`forward_headroom`) and
+# can reach inf. What a point's telemetry counts (`forward_tallies`) and
 # `silent` warns about.
 NEAR_MAX_FACTOR = 2**4
 NEAR_MAX_THRESHOLD = FLOAT16_MAX / NEAR_MAX_FACTOR
 
 
-def forward_headroom(outputs) -> tf.Tensor:
-    """[amax, near-max fraction] of a scaling point's forward outputs (a
-    list of float16 tensors, pooled), float32: the largest magnitude
-    (exact; NaN when one is NaN), and the exact share of elements with
-    magnitude >= `NEAR_MAX_THRESHOLD` (NaN and inf counted, as in
-    `GradientStatistics`' `near_max_fraction`). [0, 0] when there are no
-    outputs. A full pass over each output, on telemetry steps only, read
+def forward_tallies(outputs, extent=None) -> tuple:
+    """The forward headroom of a scaling point's float16 `outputs` (a
+    list, pooled), as `(largest, near, size)`, int scalars: the largest
+    magnitude's bit pattern (int16, sign cleared; below 0 when nothing was
+    read), the count of elements with magnitude >= `NEAR_MAX_THRESHOLD`
+    (NaN and inf counted, as in `GradientStatistics`' `near_max_fraction`)
+    and the count of elements (int64). A full pass over each output, read
     from the bit patterns: a float16's magnitude orders as its bits
     without the sign, NaN's above inf's, so one mask, one maximum and one
-    comparison give both (few ops: each point traces its own branch).
+    comparison give both. The step computes these per point, as soon as
+    the point has run; `headroom_of_tallies` turns every point's into
+    [amax, near-max fraction] at once, on telemetry steps only.
+
+    `extent`: None (read everything), or a function of a rank r giving an
+    int32 [r] slice size, all -1 (read the whole output) or with a 0 in
+    front (read nothing, which gives a largest below 0 and a near count of
+    0). A step reads its outputs only on telemetry steps this way, without
+    a branch (a branch is two functions in the step's library). `size`
+    stays the output's size either way.
 
     >>> y = tf.constant([1.0, -5000.0, 4094.0, 100.0], tf.float16)
-    >>> forward_headroom([y]).numpy().tolist()
-    [5000.0, 0.5]
-    >>> forward_headroom([]).numpy().tolist()
-    [0.0, 0.0]
+    >>> largest, near, size = forward_tallies([y])
+    >>> int(largest) == _float16_bits(5000.0), int(near), int(size)
+    (True, 2, 4)
+    >>> [int(t) for t in forward_tallies([y], lambda rank: tf.constant([0]))]
+    [-32768, 0, 4]
     """
     if not outputs:
-        return tf.zeros([2], tf.float32)
+        return tf.constant(-1, tf.int16), tf.constant(0, tf.int64), tf.constant(0, tf.int64)
     threshold = _float16_bits(NEAR_MAX_THRESHOLD)
     largest, near, size = [], [], []
     for y in outputs:
+        count = y.shape.num_elements()
+        size.append(
+            tf.size(y, out_type=tf.int64) if count is None
+            else tf.constant(count, tf.int64)
+        )
+        if extent is not None:
+            if y.shape.rank == 0:
+                y = tf.reshape(y, [1])
+            y = tf.slice(y, [0] * y.shape.rank, extent(y.shape.rank))
         bits = tf.bitwise.bitwise_and(tf.bitcast(y, tf.int16), 0x7FFF)
         largest.append(tf.reduce_max(bits))
         near.append(tf.reduce_sum(tf.cast(bits >= threshold, tf.int64)))
-        size.append(tf.size(y, out_type=tf.int64))
-    bits = largest[0] if len(largest) == 1 else tf.reduce_max(tf.stack(largest))
-    amax = tf.cast(tf.bitcast(tf.maximum(bits, 0), tf.float16), tf.float32)
-    share = tf.cast(tf.add_n(near), tf.float64) / tf.cast(
-        tf.maximum(tf.add_n(size), 1), tf.float64
-    )
-    return tf.stack([amax, tf.cast(share, tf.float32)])
+    if len(outputs) == 1:
+        return largest[0], near[0], size[0]
+    return tf.reduce_max(tf.stack(largest)), tf.add_n(near), tf.add_n(size)
+
+
+def headroom_of_tallies(largest, near, size) -> tf.Tensor:
+    """[points, 2] float32: each point's [amax, near-max fraction] from its
+    `forward_tallies` (each argument stacked over points): the amax is
+    exact (NaN when an element was NaN), the fraction a float64 division
+    of exact counts; [0, 0] where nothing was read. A few ops for every
+    point at once.
+
+    >>> headroom_of_tallies(
+    ...     tf.constant([_float16_bits(5000.0), -32768], tf.int16),
+    ...     tf.constant([2, 0], tf.int64),
+    ...     tf.constant([4, 0], tf.int64)).numpy().tolist()
+    [[5000.0, 0.5], [0.0, 0.0]]
+    """
+    amax = tf.cast(tf.bitcast(tf.maximum(largest, 0), tf.float16), tf.float32)
+    share = tf.cast(near, tf.float64) / tf.cast(tf.maximum(size, 1), tf.float64)
+    return tf.stack([amax, tf.cast(share, tf.float32)], axis=1)
 
 
 def _float16_bits(value) -> int:
@@ -231,7 +264,8 @@ _BITS = types.MappingProxyType({
 def _amax(gradient) -> tf.Tensor:
     """max |gradient| as float32, from one integer max-reduction over its
     bit pattern with the sign bit cleared: a float's magnitude orders as
-    its bits without the sign, NaN's above inf's. Four ops: under XLA the
+    its bits without the sign, NaN's above inf's. Four ops (three for a
+    float32 gradient): under XLA the
     mask fuses into the reduction (one read of the gradient); without it
     the mask writes a copy, as `abs` would, but float16 reductions are not
     vectorised on a CPU and integer ones are. (Two integer maxima, signed
@@ -243,14 +277,18 @@ def _amax(gradient) -> tf.Tensor:
     >>> float(_amax(tf.constant([1.0, -float("nan")], tf.float16)))
     nan
     >>> float(_amax(tf.zeros([0], tf.float16)))
-    0.0
+    -0.0
+
+    An empty gradient gives -0.0 (the integer maximum of nothing is the
+    smallest integer, the bit pattern of -0.0), which equals 0 in every
+    comparison the rule and the finiteness check make, without a fifth op
+    to clamp it.
     """
     if gradient.dtype not in _BITS:
         return tf.cast(tf.reduce_max(tf.abs(gradient)), tf.float32)
     integer, magnitude = _BITS[gradient.dtype]
     bits = tf.bitwise.bitwise_and(tf.bitcast(gradient, integer), magnitude)
-    largest = tf.maximum(tf.reduce_max(bits), 0)  # 0 when empty.
-    return tf.cast(tf.bitcast(largest, gradient.dtype), tf.float32)
+    return tf.cast(tf.bitcast(tf.reduce_max(bits), gradient.dtype), tf.float32)
 
 
 def choose_scale_paper(

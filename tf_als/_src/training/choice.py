@@ -45,8 +45,9 @@ class Choice:
         self.synchronized = frozenset(synchronized)
         self._used = {}  # point -> scale used in this pass
         self._limits = {}  # graph (None: eager) -> every point's headroom
+        self._rows = {}  # graph (None: eager) -> the same, one tensor each
         self._forward = {}  # point -> its forward headroom, [2]
-        self._due = {}  # graph (None: eager) -> whether it is a telemetry step
+        self._due = {}  # graph (None: eager) -> (telemetry step?, extents)
 
     def scale(self, point, upstream, scale_out, again=False):
         """The point's scale s_n, chosen from `upstream`, the gradients it
@@ -101,26 +102,46 @@ class Choice:
             scale = tf.cond(due, update, lambda: current)
         else:
             scale = rule.scale_within(
-                amax, row_of(self._headroom(), point), config.max_layer_scale,
-                scale_out,
+                amax, self._limit(point), config.max_layer_scale, scale_out
             )
         return scale
 
     def _forward_headroom(self, outputs):
-        """The forward headroom of a point's float16 `outputs`
-        (`rule.forward_headroom`), in a branch that measures only when the
-        state says the coming step is a telemetry step (zeros otherwise).
-        Taken as soon as the point has run, so that no activation lives
-        longer for it than the layers after the point need it."""
+        """The forward headroom of a point's float16 `outputs`, as its
+        `rule.forward_tallies`, measured only when the state says the
+        coming step is a telemetry step (nothing read otherwise). Taken as soon as
+        the point has run, from that point's outputs alone, so that no
+        activation lives longer for it than the layers after the point
+        need it.
+
+        Without XLA the outputs are read through a slice whose extent the
+        state sets once per pass (all of them, or none): a few ops per
+        point and no function (a branch per point added two to the step's
+        library). Under XLA a slice of dynamic extent is padded to its
+        bound, which on a GPU can mean a masked read of the whole output on
+        every step (not measured: no GPU here; on this CPU, XLA's empty
+        slice costs nothing), so there each point keeps a branch of its own
+        (`tf.cond`), which XLA compiles as a conditional and which costs
+        no dispatch."""
         graph = unscaled.traced_graph()
         if graph not in self._due:
-            self._due[graph] = tf.convert_to_tensor(self.state.telemetry_next) > 0
+            due = tf.convert_to_tensor(self.state.telemetry_next) > 0
+            self._due[graph] = (due, {})
+        due, extents = self._due[graph]
+
+        def extent(rank):  # One per rank and pass: all, or none of dim 0.
+            if rank not in extents:
+                extents[rank] = tf.where(due, [-1] * rank, [0] + [-1] * (rank - 1))
+            return extents[rank]
+
         # Nothing differentiates a measurement.
         with _keras.unrecorded(), tf.name_scope("tf_als_forward"):
+            if not _keras.compiled_by_xla():
+                return rule.forward_tallies(outputs, extent)
             return tf.cond(
-                self._due[graph],
-                lambda: rule.forward_headroom(outputs),
-                lambda: tf.zeros([2], tf.float32),
+                due,
+                lambda: rule.forward_tallies(outputs),
+                lambda: rule.forward_tallies([]),
                 name="forward_headroom",
             )
 
@@ -136,7 +157,7 @@ class Choice:
         """Every point's headroom in this pass ([points]): `rule.headroom`
         (the global scale's back-off is shared) lowered by the gain of its
         weight gradients (`rule.produced_headroom`), computed once per
-        graph; each point takes its own row (`row_of`)."""
+        graph; each point takes its own row (`_limit`)."""
         graph = unscaled.traced_graph()
         if graph not in self._limits:
             backoff = tf.convert_to_tensor(self.state.backoff)
@@ -146,6 +167,18 @@ class Choice:
                 self.config.overflow_margin,
             )
         return self._limits[graph]
+
+    def _limit(self, point):
+        """Point `point`'s row of `_headroom`. Under XLA, `row_of`; without
+        it, every row comes from one op per pass (`tf.unstack`), where a
+        row read by `row_of` took three ops per point."""
+        limits = self._headroom()
+        if _keras.compiled_by_xla():
+            return row_of(limits, point)
+        graph = unscaled.traced_graph()
+        if graph not in self._rows:
+            self._rows[graph] = tf.unstack(limits)
+        return self._rows[graph][point]
 
     def measure_forward(self, point, outputs) -> None:
         """Measures the forward headroom of point `point`'s float16

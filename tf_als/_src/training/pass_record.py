@@ -85,8 +85,8 @@ class PassRecord:
 
     def put_forward(self, rows: dict) -> None:
         """Records the forward headroom of the latest forward pass: point
-        index -> float32 [2] (`rule.forward_headroom`), each measured
-        as soon as its point ran (zeros on other than telemetry steps)."""
+        index -> its `rule.forward_tallies`, each measured as soon as
+        its point ran (nothing read on other than telemetry steps)."""
         current = self._current(create=True, forward=True)
         current.clear()
         current.update(rows)

@@ -22,7 +22,7 @@ import tensorflow as tf
 from tf_als._src.scaling import tallies
 
 # The forward headroom of a point's float16 outputs
-# (`rule.forward_headroom`): their amax, and the share of elements within
+# (`rule.headroom_of_tallies`): their amax, and the share of elements within
 # `rule.NEAR_MAX_FACTOR` of float16's maximum.
 FORWARD_FIELDS = ("forward_amax", "forward_near_max_fraction")
 # Layout of a `records` row: the cumulative scale, the fields of

@@ -115,9 +115,10 @@ def _telemetry_rows(records, forward, points, chosen, config):
         counts, config.underflow_rate
     )
     scale_in = chosen * tf.stack([records[p].scale_out for p in points])
-    headroom = tf.stack(
-        [forward.get(p, tf.zeros([2])) for p in points], axis=1
-    )
+    empty = rule.forward_tallies([])
+    headroom = tf.transpose(rule.headroom_of_tallies(*[
+        tf.stack([forward.get(p, empty)[i] for p in points]) for i in range(3)
+    ]))
     values = state_module.record_vector(
         scale_in, statistics, tf.unstack(headroom), axis=1
     )
@@ -147,12 +148,19 @@ def write_gains(model, produced, scale) -> None:
     if not points:
         return
     state = model.scaling_state
-    weights = tf.stack([
-        tf.reduce_max(tf.stack(
-            [produced[id(g)] for g in records[p].products if id(g) in produced]
-        ))
-        for p in points
-    ])
+    owners, amaxes = [], []  # Each product's amax and its point's row.
+    for row, p in enumerate(points):
+        for g in records[p].products:
+            if id(g) in produced:
+                owners.append(row)
+                amaxes.append(produced[id(g)])
+    amaxes = tf.stack(amaxes)
+    # One segment maximum for every point (a non-finite amax as inf: the
+    # maximum of a segment holding NaN depends on the order).
+    weights = tf.math.unsorted_segment_max(  # (XLA has no sorted one.)
+        tf.where(tf.math.is_finite(amaxes), amaxes, float("inf")),
+        tf.constant(owners, tf.int32), len(points),
+    )
     received = tf.stack([records[p].amax for p in points]) / (
         tf.cast(scale, tf.float32) * tf.stack([records[p].scale_out for p in points])
     )
