@@ -50,6 +50,7 @@ What a point records on telemetry steps, a tally of its gradient's
 exponents, is `tallies`'s.
 """
 
+import math
 import struct
 import types
 
@@ -83,9 +84,16 @@ def headroom(overflow_margin, backoff=1.0) -> tf.Tensor:
 def scale_within(amax, limit, max_layer_scale, inherited=1.0) -> tf.Tensor:
     """The largest power of two s with amax * s <= `limit`, clipped to
     [1 / inherited, max_layer_scale]; 1 where amax is 0 or NaN (float32,
-    elementwise). A handful of scalar ops: s is read from the float32 bit
-    pattern of limit / amax (its mantissa cleared), and halved where that
-    quotient was rounded up to a power of two, so the result is exact.
+    elementwise; `limit` 0 or a normal float32, `max_layer_scale` a power
+    of two). A handful of integer and scalar ops, exact, no division: for
+    positive normal float32s, a bit pattern is (exponent + 127) * 2**23
+    plus the mantissa's bits, so the difference of limit's and amax's,
+    rounded down to a multiple of 2**23, is floor(log2(limit / amax))
+    times 2**23 (the mantissas decide the borrow); capped at
+    log2(max_layer_scale) before it becomes a float, so no exponent
+    overflows. A float32 amax below the smallest normal (no float16 has
+    one) reads as larger than it is, so its s can only be smaller: it is
+    clipped to the ceiling all the same.
 
     >>> float(scale_within(tf.constant(3.0), tf.constant(16.0), 2.0**15))
     4.0
@@ -95,11 +103,23 @@ def scale_within(amax, limit, max_layer_scale, inherited=1.0) -> tf.Tensor:
     0.015625
     """
     amax = tf.cast(amax, tf.float32)
-    scale = _pow2.floor_pow2(limit / amax)
-    scale = tf.where(amax * scale > limit, scale * 0.5, scale)
+    limit_bits = tf.bitcast(tf.cast(limit, tf.float32), tf.int32)
+    borrow = limit_bits - tf.bitcast(amax, tf.int32)  # Discarded where amax <= 0.
+    exponent = tf.bitwise.bitwise_and(borrow, -(1 << 23))  # k * 2**23.
+    exponent = tf.minimum(exponent, _exponent_bits(max_layer_scale))
+    scale = tf.bitcast(exponent + (127 << 23), tf.float32)
+    # An exponent below float32's range gives 0 or a negative float here.
     low = tf.math.reciprocal(tf.cast(inherited, tf.float32))
-    scale = tf.maximum(tf.minimum(scale, tf.cast(max_layer_scale, tf.float32)), low)
-    return tf.where(amax > 0.0, scale, 1.0)
+    return tf.where(amax > 0.0, tf.maximum(scale, low), 1.0)
+
+
+def _exponent_bits(power_of_two):
+    """log2(`power_of_two`) * 2**23 (int32): a Python number's as a
+    constant, a tensor's from its bit pattern."""
+    if isinstance(power_of_two, (int, float)):
+        return (math.frexp(power_of_two)[1] - 1) << 23
+    bits = tf.bitcast(tf.cast(power_of_two, tf.float32), tf.int32)
+    return bits - (127 << 23)
 
 
 # A point's weight gradients are sums its own backward pass makes (a
@@ -139,7 +159,10 @@ def produced_headroom(limit, gains, overflow_margin) -> tf.Tensor:
     factor = tf.cast(gains, tf.float32) * (
         PRODUCED_MARGIN / tf.cast(overflow_margin, tf.float32)
     )
-    return tf.cast(limit, tf.float32) / tf.maximum(factor, 1.0)
+    limits = tf.cast(limit, tf.float32) / tf.maximum(factor, 1.0)
+    # Below float32's smallest normal as 0, as `scale_within` reads it (no
+    # float16 gradient's amax times a scale >= 2**-102 fits below it).
+    return tf.where(limits >= 2.0**-126, limits, 0.0)
 
 
 def held_gain(measured, kept) -> tf.Tensor:
