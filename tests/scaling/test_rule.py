@@ -496,6 +496,40 @@ def test_choose_scale_cap_at_power_of_two_boundaries(run):
     )
 
 
+def test_scale_within_is_the_largest_power_of_two_on_random_inputs(run):
+    """On 20,000 amaxes of float16 gradients (2**-24 to 2**15, random
+    mantissas), limits (0, and 2**-40 to 65504 with random mantissas) and
+    inherited scales: s is a power of two within [1 / inherited, ceiling];
+    where it lies strictly inside, amax * s <= limit < amax * 2s, checked in
+    float64, where a float32 times a power of two is exact."""
+    rng = np.random.default_rng(7)
+    n = 20000
+    amax = np.abs(rng.standard_normal(n)) * 2.0 ** rng.integers(-24, 15, n)
+    amax = amax.astype(np.float16).astype(np.float32)
+    amax[amax == 0] = 2.0**-24
+    limit = (rng.uniform(1, 2, n) * 2.0 ** rng.integers(-40, 15, n)).astype(np.float32)
+    limit[::50] = 0.0
+    inherited = (2.0 ** rng.integers(-8, 24, n)).astype(np.float32)
+    ceiling = 2.0**12
+    s = run(
+        lambda a, l, t: rule.scale_within(a, l, ceiling, t),
+        tf.constant(amax), tf.constant(limit), tf.constant(inherited),
+    )
+    s = np.asarray(s, np.float64)
+    mantissa, _ = np.frexp(s)
+    assert np.all(mantissa == 0.5)  # Powers of two.
+    low = 1.0 / inherited.astype(np.float64)
+    assert np.all((s >= low) & (s <= ceiling))
+    inside = (s > low) & (s < ceiling)
+    assert inside.sum() > n // 4  # The property below tested on many.
+    a, lim = amax.astype(np.float64)[inside], limit.astype(np.float64)[inside]
+    assert np.all(a * s[inside] <= lim)
+    assert np.all(a * 2 * s[inside] > lim)
+    # At the floor, even 1 / inherited may not fit; at the ceiling, 2s may.
+    top = s == ceiling
+    assert np.all(amax.astype(np.float64)[top] * ceiling <= limit[top])
+
+
 def test_choose_scale_clips_to_one_and_the_ceiling(run):
     _choose_table(
         run,

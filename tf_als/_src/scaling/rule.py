@@ -89,11 +89,11 @@ def scale_within(amax, limit, max_layer_scale, inherited=1.0) -> tf.Tensor:
     positive normal float32s, a bit pattern is (exponent + 127) * 2**23
     plus the mantissa's bits, so the difference of limit's and amax's,
     rounded down to a multiple of 2**23, is floor(log2(limit / amax))
-    times 2**23 (the mantissas decide the borrow); capped at
-    log2(max_layer_scale) before it becomes a float, so no exponent
-    overflows. A float32 amax below the smallest normal (no float16 has
-    one) reads as larger than it is, so its s can only be smaller: it is
-    clipped to the ceiling all the same.
+    times 2**23 (the mantissas decide the borrow); clipped to
+    [-log2(inherited), log2(max_layer_scale)] before it becomes a float,
+    so no exponent leaves float32's range. A float32 amax below the
+    smallest normal (no float16 has one) reads as larger than it is, so
+    its s can only be smaller: it is clipped to the ceiling all the same.
 
     >>> float(scale_within(tf.constant(3.0), tf.constant(16.0), 2.0**15))
     4.0
@@ -107,19 +107,27 @@ def scale_within(amax, limit, max_layer_scale, inherited=1.0) -> tf.Tensor:
     borrow = limit_bits - tf.bitcast(amax, tf.int32)  # Discarded where amax <= 0.
     exponent = tf.bitwise.bitwise_and(borrow, -(1 << 23))  # k * 2**23.
     exponent = tf.minimum(exponent, _exponent_bits(max_layer_scale))
+    # At least 1 / inherited, clipped here too: in a traced graph a float
+    # 1 / x becomes a reciprocal, approximate on a CPU for 8 or more
+    # elements (1 / 2**-8 came out 255.99998).
+    exponent = tf.maximum(exponent, _exponent_bits(inherited, negated=True))
     scale = tf.bitcast(exponent + (127 << 23), tf.float32)
-    # An exponent below float32's range gives 0 or a negative float here.
-    low = tf.math.reciprocal(tf.cast(inherited, tf.float32))
-    return tf.where(amax > 0.0, tf.maximum(scale, low), 1.0)
+    return tf.where(amax > 0.0, scale, 1.0)
 
 
-def _exponent_bits(power_of_two):
-    """log2(`power_of_two`) * 2**23 (int32): a Python number's as a
-    constant, a tensor's from its bit pattern."""
+def _exponent_bits(power_of_two, negated=False):
+    """log2(`power_of_two`) * 2**23 (int32), or its negation: a Python
+    number's as a constant, a tensor's from its bit pattern (one
+    subtraction either way).
+
+    >>> _exponent_bits(2.0**15) == 15 << 23, _exponent_bits(0.25, negated=True) == 2 << 23
+    (True, True)
+    """
     if isinstance(power_of_two, (int, float)):
-        return (math.frexp(power_of_two)[1] - 1) << 23
+        bits = (math.frexp(power_of_two)[1] - 1) << 23
+        return -bits if negated else bits
     bits = tf.bitcast(tf.cast(power_of_two, tf.float32), tf.int32)
-    return bits - (127 << 23)
+    return (127 << 23) - bits if negated else bits - (127 << 23)
 
 
 # A point's weight gradients are sums its own backward pass makes (a

@@ -324,7 +324,7 @@ class Backward:
         )
         handled = self._handled.get(point, set())
         with tf.name_scope("tf_als_unscale"):
-            factor = tf.math.reciprocal(scale_in)
+            factor = 1.0 / scale_in  # A scalar: exact.
             variable_grads = [
                 g if id(v) in handled else self.unscaled.unscale(g, factor)
                 for v, g in zip(variables, grads[len(xs) :])

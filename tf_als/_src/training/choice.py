@@ -79,13 +79,13 @@ class Choice:
         and `amax` of `upstream`."""
         config = self.config
         if again:
-            scale = tf.math.reciprocal(scale_out)
+            scale = 1.0 / scale_out  # A scalar: exact.
         elif point in self.synchronized and _replicas_in_sync() > 1:
             # Every replica chooses its own scales, so T_out differs between
             # them; a layer that sums its gradients across replicas inside
             # its own backward must see the same scale everywhere: T_in = 1,
             # the global scale alone, as Keras's (docs/distributed.md).
-            scale = tf.math.reciprocal(scale_out)
+            scale = 1.0 / scale_out  # A scalar: exact.
         elif config.rule == "paper":
             current = row_of(tf.convert_to_tensor(self.state.scales), point)
 
