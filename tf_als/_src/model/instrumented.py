@@ -67,15 +67,22 @@ def make(model: keras.Model, float32_outputs: bool = False) -> "InstrumentedMode
             "every gradient twice)."
         )
     plan, records = checks.points_of(model, InstrumentedModel)
-    instrumented = _keras.fork(model, _instrumented_class(type(model)))
+    made = _instrumented_class(type(model), float32_outputs)
+    instrumented = _keras.fork(model, made)
     instrumented._set_up(model, plan, records, float32_outputs)
     return instrumented
 
 
-def _instrumented_class(cls) -> type:
+def _instrumented_class(cls, float32_outputs) -> type:
     """The class of an instrumented `cls` model: named, and saved, as
-    `cls` (see the module docstring)."""
-    made = type(cls.__name__, (_Forward, cls, InstrumentedModel), {})
+    `cls` (see the module docstring). It remembers `cls` and how its model
+    was instrumented, so that Keras making a model of it anew
+    (`keras.models.clone_model`) makes one instrumented the same way
+    (`_Forward.__new__`, `InstrumentedModel.from_config`)."""
+    made = type(cls.__name__, (_Forward, cls, InstrumentedModel), {
+        "_tf_als_base": cls,
+        "_tf_als_settings": {"float32_outputs": float32_outputs},
+    })
     made.__module__, made.__qualname__ = cls.__module__, cls.__qualname__
     made.__doc__ = cls.__doc__
     # Serialised as the user's class (a KerasHub preset names its task's
@@ -108,6 +115,16 @@ class _Forward:
     through the scaling points, and tf_als's part of the saved build
     config. Everything else is the user's class's, then
     `InstrumentedModel`'s."""
+
+    def __new__(cls, *args, **kwargs):
+        """Keras making a model of this class from its constructor's
+        arguments: `keras.models.clone_model` of a Functional model calls
+        its class with the cloned graph's inputs and outputs. The user's
+        class makes the model, instrumented as this class's model was (new
+        layers and variables, fresh scaling state). `tf_als.instrument`
+        itself never calls the class (`_keras.fork`)."""
+        model = cls._tf_als_base(*args, **kwargs)
+        return make(model, **cls._tf_als_settings)
 
     def call(self, *args, **kwargs):
         return InstrumentedModel.scaled_call(self, args, kwargs)
@@ -377,6 +394,23 @@ class InstrumentedModel(saving.Saving, _keras.CheckpointOnly, keras.Model):
             ValueError: `config` is not part of a whole saved config (see
                 `saving.user_model`).
         """
+        base = getattr(cls, "_tf_als_base", None)
+        if base is not None:
+            # Keras rebuilding a model of an instrumented class from the
+            # user's class's config (`keras.models.clone_model` of a model
+            # whose class Keras finds by its own name): the user's model,
+            # instrumented as that class's model was.
+            model = base.from_config(config)
+            if not model.built:  # Keras builds it after from_config.
+                whole = _keras.deserializing(config)
+                build_config = dict(whole.get("build_config") or {})
+                build_config.pop(saving.SAVED, None)
+                model.build_from_config(build_config)
+                # Keras 3.15 builds a subclassed model's variables by a
+                # symbolic run, which leaves `built` False until its first
+                # call; `instrument` needs the variables, which are there.
+                model.built = bool(model.weights)
+            return make(model, **cls._tf_als_settings)
         old = legacy.is_legacy(config)
         read = legacy.user_model if old else saving.user_model
         model, saved = read(config, custom_objects)
