@@ -181,3 +181,56 @@ def test_the_losses_are_checked(mixed, kwargs, error, message):
         optimizer.preflight(model, lambda: [], **kwargs)
     with pytest.raises(error, match=message):
         optimizer.check_skips(batches=lambda: [], **kwargs)
+
+
+def _nan_gan(max_consecutive_skips=4):
+    """The DCGAN of tests/loops.py, both models instrumented, each with its
+    own named optimizer; 48 batches whose real samples are NaN from the
+    third batch on (the critic's loss is NaN there, the generator's is
+    not)."""
+    generator = tf_als.instrument(loops.mlp(loops.LATENT, 16, loops.FEATURES, "gen", seed=1))
+    critic = tf_als.instrument(loops.mlp(loops.FEATURES, 16, 1, "critic", seed=2))
+    gan = loops.GAN(generator, critic)
+    optimizers = [
+        tf_als.AdaptiveLossScaleOptimizer(
+            keras.optimizers.Adam(1e-4), max_consecutive_skips=max_consecutive_skips,
+            name=name,
+        )
+        for name in ("d_opt", "g_opt")
+    ]
+    gan.compile(d_optimizer=optimizers[0], g_optimizer=optimizers[1])
+    data = loops.data(48 * BATCH)
+    data["real"][2 * BATCH:] = np.nan
+    return gan, data
+
+
+def test_a_critic_storm_inside_gan_fit_stops_with_the_guard(mixed):
+    """keras.io's GAN holds its optimizers as attributes of the model `fit`
+    trains, which has no optimizer of its own: the guard finds them, and the
+    critic's 4 skipped steps in a row stop `fit` with an error naming its
+    optimizer and its model (and the non-finite loss), at batch 6; the
+    generator's optimizer skipped nothing."""
+    gan, data = _nan_gan()
+    with pytest.raises(tf_als.NonFiniteStormError) as caught:
+        gan.fit(
+            data, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+            callbacks=[tf_als.callbacks.NonFiniteGuard()],
+        )
+    message = str(caught.value)
+    assert "'d_opt'" in message and "'critic'" in message, message
+    assert "at batch 6" in message and "loss itself was not finite" in message, message
+    assert int(gan.g_optimizer.iterations.numpy()) == 6
+    assert int(gan.d_optimizer.iterations.numpy()) == 2
+
+
+def test_the_guard_takes_the_optimizers_to_watch(mixed):
+    """`optimizers=[...]` watches those only: the generator's optimizer,
+    which skips nothing, lets the whole epoch run."""
+    gan, data = _nan_gan()
+    gan.fit(
+        data, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+        callbacks=[tf_als.callbacks.NonFiniteGuard(optimizers=[gan.g_optimizer])],
+    )
+    assert int(gan.g_optimizer.iterations.numpy()) == 48
+    with pytest.raises(TypeError, match="wrap it"):
+        tf_als.callbacks.NonFiniteGuard(optimizers=[keras.optimizers.Adam()])

@@ -39,9 +39,12 @@ def describe(optimizer, skips: int, attempted: Optional[int] = None) -> str:
         where = f"after {applied} applied steps"
     else:
         where = f"at batch {attempted} ({applied} steps applied)"
+    models = ", ".join(repr(m.name) for m in optimizer.applied_models())
+    trains = f", training model {models}" if models else ""
     lines = [
         f"{skips} consecutive training steps were skipped because their "
         f"gradients were not finite (AdaptiveLossScaleOptimizer "
+        f"{optimizer.name!r}{trains}, "
         f"max_consecutive_skips={optimizer.max_consecutive_skips}); the global "
         f"loss scale, halved at each, is down to {scale:g}, and training "
         f"stopped {where} instead of skipping forever."
@@ -161,15 +164,20 @@ def _latest_first(batches, index, count=8):
 
 
 class NonFiniteGuard(keras.callbacks.Callback):
-    """Stops `fit` with a `NonFiniteStormError` once the model's
-    `AdaptiveLossScaleOptimizer` has skipped `max_consecutive_skips` steps in
-    a row (one variable read per batch).
+    """Stops `fit` with a `NonFiniteStormError` once an
+    `AdaptiveLossScaleOptimizer` the fitted model trains has skipped
+    `max_consecutive_skips` steps in a row (one variable read per batch and
+    optimizer). Those optimizers are `optimizers`, or else the model's own
+    (`model.optimizer`) and every one the model holds as an attribute (a
+    list, tuple or dict of them too), as keras.io's GANs hold
+    `self.d_optimizer` and `self.g_optimizer`.
 
     `fit` on a model returned by `tf_als.instrument` adds one on its own.
     Add it yourself to `fit` a plain model compiled with an
-    `AdaptiveLossScaleOptimizer`. In a compiled custom training loop call
-    `optimizer.check_skips()` after each step instead (an eager loop checks
-    on its own).
+    `AdaptiveLossScaleOptimizer`, or a model whose own `train_step` applies
+    instrumented models' gradients with optimizers it holds (a GAN). In a
+    compiled custom training loop call `optimizer.check_skips()` after each
+    step instead (an eager loop checks on its own).
 
     When the loss itself was not finite at the first skipped step, the
     guard re-runs the model eagerly on up to 8 batches of `inputs` (the
@@ -185,15 +193,21 @@ class NonFiniteGuard(keras.callbacks.Callback):
         batches: optional; a callable returning an iterable of
             `(x, y, sample_weight)` training batches (it supersedes
             `inputs`).
+        optimizers: optional; the `AdaptiveLossScaleOptimizer`s to watch
+            (a list), instead of those found on the model. Only the
+            model's own optimizer re-runs batches (`inputs`, `batches`):
+            the others' steps differentiate losses of the model's own
+            `train_step`, which the guard cannot recompute.
 
     Example:
 
     ```python
     model.fit(x, y, callbacks=[tf_als.callbacks.NonFiniteGuard()])
+    gan.fit(dataset, callbacks=[tf_als.callbacks.NonFiniteGuard()])
     ```
     """
 
-    def __init__(self, inputs=None, batches=None):
+    def __init__(self, inputs=None, batches=None, optimizers=None):
         super().__init__()
         for name, value in (("inputs", inputs), ("batches", batches)):
             if value is not None and not callable(value):
@@ -205,6 +219,7 @@ class NonFiniteGuard(keras.callbacks.Callback):
             inputs = lambda: (b[0] for b in batches())  # noqa: E731
         self._input_batches = inputs
         self._training_batches = batches
+        self._optimizers = None if optimizers is None else _checked_optimizers(optimizers)
         self._batches = 0
 
     def on_train_begin(self, logs=None):
@@ -212,10 +227,20 @@ class NonFiniteGuard(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self._batches += 1
-        optimizer = self.model.optimizer
-        check = getattr(optimizer, "check_skips", None)
-        if check is None:
-            return
+        own = getattr(self.model, "optimizer", None)
+        watched = self._optimizers
+        if watched is None:
+            watched = adaptive_optimizers_of(self.model)
+        for optimizer in watched:
+            if optimizer is own:
+                self._check_own(optimizer, batch)
+            else:
+                optimizer.check_skips(attempted=self._batches)
+
+    def _check_own(self, optimizer, batch):
+        """`check_skips` of the model's own optimizer, with the batches to
+        re-run and the hint of a forward search."""
+        check = optimizer.check_skips
         if self._training_batches is not None:
             batches, loss = self._training_batches, self._compiled_loss
         else:
@@ -251,6 +276,54 @@ class NonFiniteGuard(keras.callbacks.Callback):
             "dtype='float32' (it then computes in float32; its weights are "
             "float32 already)."
         )
+
+
+def adaptive_optimizers_of(model) -> list:
+    """The `AdaptiveLossScaleOptimizer`s `model` trains: its own
+    (`model.optimizer`) first, then those it holds as attributes (or in a
+    list, tuple or dict attribute), by attribute name, each once."""
+    found = []
+
+    def add(value):
+        if _is_adaptive(value) and all(
+            value is not o for o in found
+        ):
+            found.append(value)
+
+    add(getattr(model, "optimizer", None))
+    for name in sorted(vars(model)):
+        value = vars(model)[name]
+        if isinstance(value, dict):
+            value = list(value.values())
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            add(item)
+    return found
+
+
+def _checked_optimizers(optimizers) -> list:
+    """`optimizers` as a list, each an `AdaptiveLossScaleOptimizer`."""
+    if not isinstance(optimizers, (list, tuple)):
+        raise TypeError(
+            "`optimizers` must be a list of tf_als.AdaptiveLossScaleOptimizer "
+            f"or None; received {type(optimizers).__name__}."
+        )
+    for optimizer in optimizers:
+        if not _is_adaptive(optimizer):
+            raise TypeError(
+                "`optimizers` must hold tf_als.AdaptiveLossScaleOptimizer "
+                f"instances; received {type(optimizer).__name__} "
+                "(a Keras optimizer does not count skipped steps: wrap it, "
+                "`tf_als.AdaptiveLossScaleOptimizer(optimizer)`)."
+            )
+    return list(optimizers)
+
+
+def _is_adaptive(value) -> bool:
+    """Whether `value` is an `AdaptiveLossScaleOptimizer` (known by its
+    `check_skips`: the optimizer's module imports this one)."""
+    return isinstance(value, keras.optimizers.Optimizer) and callable(
+        getattr(value, "check_skips", None)
+    )
 
 
 def _plain(model):

@@ -8,24 +8,33 @@ optimizer's `apply` on every step, the records every `telemetry_interval`
 steps) and the optimizer's counters.
 """
 
+import functools
 import os
 from typing import Optional
 
 import keras
-import numpy as np
-import tensorflow as tf
 
 from tf_als._src.model.instrument import InstrumentedModel
 from tf_als._src.training.optimizer import AdaptiveLossScaleOptimizer
 from tf_als._src.monitoring import overview
+from tf_als._src.monitoring import summaries
+from tf_als._src.monitoring.summaries import (  # noqa: F401  (documented names)
+    OVERVIEW_IMAGE_DESCRIPTION,
+    OVERVIEW_IMAGE_TAG,
+    OVERVIEW_SCALARS,
+    OVERVIEW_TEXT_TAG,
+    OVERVIEW_UPDATES,
+    POINT_NAMES_TAG,
+    PROMOTIONS_TAG,
+    RUN_NAME,
+    tag_group,
+)
 from tf_als._src.failures import promote
-from tf_als._src.scaling import tallies
-from tf_als._src.training import state
 from tf_als._src.failures import storm
 
 NonFiniteGuard = storm.NonFiniteGuard  # Defined with the error it raises.
 
-POINT_QUANTITIES = ("scale",) + state.RECORD_FIELDS
+POINT_QUANTITIES = summaries.POINT_QUANTITIES
 """Per point and update: the per-layer scale, the cumulative scale, the
 `tallies.GradientStatistics` of the incoming gradient, and the forward
 headroom of the point's float16 output (`state.FORWARD_FIELDS`)."""
@@ -33,48 +42,19 @@ headroom of the point's float16 output (`state.FORWARD_FIELDS`)."""
 EPOCH_LOG_KEYS = ("loss_scale", "skipped_steps", "worst_subnormal_fraction")
 """What `ScaleHistory` adds to Keras's epoch logs."""
 
-OVERVIEW_SCALARS = ("worst_subnormal_fraction", "worst_near_max_fraction")
-"""Per update, over all points: the largest fraction of incoming gradient
-elements still float16-subnormal after the point's scale
-(`overview.subnormal_after_scale`: precision lost, the step before
-underflow), and the largest `near_max_fraction` (overflow pressure)."""
+def _forwarded(method):
+    """A `ScaleHistory` hook that, when it records several models, runs on
+    each model's own `ScaleHistory` instead."""
 
-OVERVIEW_IMAGE_TAG = "overview/log2_scale"
-"""An image, rewritten at each update: the layers-by-updates heat map of
-log2 per-layer scale (the last `OVERVIEW_UPDATES` updates), with the
-layers' names and a numbered colour scale (`overview.overview_image`)."""
+    @functools.wraps(method)
+    def forward(self, *args, **kwargs):
+        if not self._children:
+            return method(self, *args, **kwargs)
+        for child in self._children:
+            getattr(child, method.__name__)(*args, **kwargs)
+        return None
 
-OVERVIEW_IMAGE_DESCRIPTION = (
-    "log2 of each layer's scale (rows, in execution order) at each "
-    "telemetry update (columns, oldest left). One colour per integer log2 "
-    "scale present, numbered in the scale below the map; grey: no value. "
-    "Tick 'Show actual image size' to see it pixel for pixel."
-)
-
-OVERVIEW_TEXT_TAG = "overview/worst_layers"
-"""A text at each update naming the few worst layers by underflow and by
-overflow pressure, with their values."""
-
-OVERVIEW_UPDATES = 200
-"""How many of the latest updates the heat map shows."""
-
-RUN_NAME = "tf_als"
-"""The subdirectory of `log_dir` the summaries go to (a TensorBoard run)."""
-
-POINT_NAMES_TAG = "global/point_names"
-"""A text summary, written once, listing the scaling points' names (one per
-line, in execution order): tags cannot hold `/` in names, this can."""
-
-PROMOTIONS_TAG = "global/promotions"
-"""A text written at the step of each promotion to float32 (only when one
-happens: see `promote_on_storm`)."""
-
-
-def tag_group(point_name: str) -> str:
-    """The TensorBoard tag group of a scaling point: its name with `/`
-    replaced by `.` (TensorBoard folds tags by their first `/` component, so
-    each layer gets its own fold)."""
-    return point_name.replace("/", ".")
+    return forward
 
 
 class ScaleHistory(keras.callbacks.Callback):
@@ -126,9 +106,18 @@ class ScaleHistory(keras.callbacks.Callback):
     the first write. `keras.callbacks.TensorBoard` may use the same
     `log_dir`: it writes the runs `train` and `validation`.
 
+    Several models: `fit` on a model that is not instrumented itself but
+    holds instrumented models among its layers (keras.io's GANs: its
+    generator and discriminator), or `models=[...]`, records each model
+    apart, with the optimizer that applies its gradients: `history` is
+    then `{model name: the structure above}`, the epoch logs are prefixed
+    `<model name>_`, and the summaries go to `<log_dir>/<model name>`.
+
     Args:
         log_dir: str or None, where to write TensorBoard summaries.
         histograms: bool, default True. Also write the log2 histograms.
+        models: optional; the instrumented models to record (a list),
+            instead of the fitted model or those it holds.
 
     Example:
 
@@ -144,8 +133,13 @@ class ScaleHistory(keras.callbacks.Callback):
     count) and `callback.record_step(steps=1)` after each step.
     """
 
-    def __init__(self, log_dir: Optional[str] = None, histograms: bool = True):
+    def __init__(
+        self, log_dir: Optional[str] = None, histograms: bool = True, models=None
+    ):
         super().__init__()
+        self._models = None if models is None else _checked_models(models)
+        self._children = []  # One ScaleHistory per model, when several.
+        self._prefix = ""  # A child's: its model's name, for the epoch logs.
         if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
             raise TypeError(
                 "`log_dir` must be a path (str) or None; received "
@@ -157,7 +151,9 @@ class ScaleHistory(keras.callbacks.Callback):
             )
         self.log_dir = None if log_dir is None else os.fspath(log_dir)
         self.histograms = histograms
-        self._writer = None
+        self._summaries = None
+        if self.log_dir is not None:
+            self._summaries = summaries.Summaries(self.log_dir, histograms)
         self._given_optimizer = None
         self._reset()
 
@@ -189,12 +185,13 @@ class ScaleHistory(keras.callbacks.Callback):
                 f"None; received {optimizer!r}."
             )
         self._given_optimizer = optimizer
-        if not isinstance(model, InstrumentedModel):
-            raise TypeError(
-                "ScaleHistory needs a model returned by tf_als.instrument(); "
-                f"received {type(model).__name__} "
-                f"{getattr(model, 'name', model)!r}."
-            )
+        targets = self._models or _instrumented_models(model)
+        if len(targets) > 1:
+            super().set_model(model)
+            self._children = [self._child(m) for m in targets]
+            self.history = {m.name: c.history for m, c in zip(targets, self._children)}
+            return
+        model = targets[0]
         super().set_model(model)
         self.history["points"] = {
             p.point_name: {q: [] for q in POINT_QUANTITIES + ("histogram",)}
@@ -227,27 +224,45 @@ class ScaleHistory(keras.callbacks.Callback):
 
     # -- Keras hooks -------------------------------------------------------
 
+    @_forwarded
     def on_train_begin(self, logs=None):
-        self._writer = None
+        if self._summaries is not None:
+            self._summaries.reset()
 
+    @_forwarded
     def on_train_batch_begin(self, batch, logs=None):
-        self._iterations_before = _read_int(self._optimizer.iterations)
+        # Before its first step a model held by another (a GAN's) may have
+        # no optimizer to read yet; the batch's end finds it.
+        found = self.model.trained_by() or [getattr(self.model, "optimizer", None)]
+        if self._given_optimizer is not None or found[0] is not None:
+            self._iterations_before = _read_int(self._optimizer.iterations)
         self._batch_before = batch
 
+    @_forwarded
     def on_train_batch_end(self, batch, logs=None):
         steps = 1
         if self._batch_before is not None:
             steps = batch - self._batch_before + 1
         self._observe(steps)
 
+    @_forwarded
     def on_epoch_end(self, epoch, logs=None):
         if logs is None:
             return
-        optimizer = self._optimizer
-        logs["loss_scale"] = float(_read_float(optimizer.dynamic_scale))
-        logs["skipped_steps"] = self.skipped_steps
+        optimizer, key = self._optimizer, self._prefix
+        logs[key + "loss_scale"] = float(_read_float(optimizer.dynamic_scale))
+        logs[key + "skipped_steps"] = self.skipped_steps
         worst = overview.worst(self._subnormal_after_scale(), count=1)
-        logs["worst_subnormal_fraction"] = worst[0][1] if worst else 0.0
+        logs[key + "worst_subnormal_fraction"] = worst[0][1] if worst else 0.0
+
+    def _child(self, model):
+        """The ScaleHistory of `model`, one of several recorded: its logs
+        prefixed with its name, its summaries under `<log_dir>/<name>`."""
+        log_dir = None if self.log_dir is None else os.path.join(self.log_dir, model.name)
+        child = ScaleHistory(log_dir, self.histograms)
+        child._prefix = f"{model.name}_"
+        child.set_model(model)
+        return child
 
     def _subnormal_after_scale(self) -> dict:
         """{point name: `overview.subnormal_after_scale`} at the last update."""
@@ -259,13 +274,15 @@ class ScaleHistory(keras.callbacks.Callback):
             if values["histogram"]
         }
 
+    @_forwarded
     def on_train_end(self, logs=None):
         self._note_promotions()
-        if self._writer is not None:
-            self._writer.flush()
+        if self._summaries is not None:
+            self._summaries.flush()
 
     # -- custom loops ------------------------------------------------------
 
+    @_forwarded
     def record_step(self, steps: int = 1):
         """For custom training loops: call after each `optimizer.apply`
         (after `set_model(model)` once). `steps` is how many optimizer steps
@@ -306,14 +323,8 @@ class ScaleHistory(keras.callbacks.Callback):
         recorded = self.history["promotions"]
         for promotion in promote.promoted(self.model)[len(recorded):]:
             recorded.append(promotion.as_dict())
-            if self.log_dir is not None:
-                self._open_writer(promotion.step)
-                with self._writer.as_default(step=promotion.step):
-                    tf.summary.text(
-                        PROMOTIONS_TAG,
-                        f"layer {promotion.layer!r} promoted to float32 at "
-                        f"step {promotion.step}: {promotion.reason}",
-                    )
+            if self._summaries is not None:
+                self._summaries.promotion(promotion, list(self.history["points"]))
 
     def _record(self, step, optimizer):
         loss_scale = float(_read_float(optimizer.dynamic_scale))
@@ -329,86 +340,43 @@ class ScaleHistory(keras.callbacks.Callback):
                 target[quantity].append(values[quantity])
             target["histogram"].append([float(v) for v in histogram])
             rows.append((point, values, histogram))
-        if self.log_dir is not None:
-            self._write(step, loss_scale, rows)
+        if self._summaries is not None:
+            self._summaries.update(step, self.history, rows, self._subnormal_after_scale())
 
-    def _write_overview(self):
-        """The overview cards (inside the writer's default step)."""
-        points = self.history["points"]
-        underflow = self._subnormal_after_scale()
-        overflow = {n: v["near_max_fraction"][-1] for n, v in points.items()}
-        for quantity, values in zip(OVERVIEW_SCALARS, (underflow, overflow)):
-            tf.summary.scalar(f"overview/{quantity}", max(values.values(), default=0.0))
-        tf.summary.text(
-            OVERVIEW_TEXT_TAG,
-            _overview_text(overview.worst(underflow), overview.worst(overflow)),
-        )
-        scales = np.array([v["scale"][-OVERVIEW_UPDATES:] for v in points.values()])
-        image = overview.overview_image(
-            list(points), self.history["step"][-OVERVIEW_UPDATES:], np.log2(scales)
-        )
-        tf.summary.image(
-            OVERVIEW_IMAGE_TAG, image[np.newaxis], max_outputs=1,
-            description=OVERVIEW_IMAGE_DESCRIPTION,
-        )
 
-    def _open_writer(self, step):
-        """Opens the writer at the first write, and lists the points."""
-        if self._writer is not None:
-            return
-        self._writer = tf.summary.create_file_writer(
-            os.path.join(self.log_dir, RUN_NAME)
+def _instrumented_models(model) -> list:
+    """What `ScaleHistory` records for a fitted `model` given no `models`:
+    the model, if instrumented; else the instrumented models among its
+    layers (a GAN's generator and discriminator)."""
+    if isinstance(model, InstrumentedModel):
+        return [model]
+    held = [m for m in getattr(model, "layers", []) if isinstance(m, InstrumentedModel)]
+    if held:
+        return held
+    raise TypeError(
+        "ScaleHistory records models returned by tf_als.instrument(); "
+        f"received {type(model).__name__} {getattr(model, 'name', model)!r}, "
+        "which is not one and holds none among its layers. Pass them: "
+        "`ScaleHistory(models=[generator, discriminator])`, or, in a custom "
+        "loop, `set_model(instrumented_model)`."
+    )
+
+
+def _checked_models(models) -> list:
+    """`models` as a non-empty list of instrumented models."""
+    if not isinstance(models, (list, tuple)) or not models:
+        raise TypeError(
+            "`models` must be a non-empty list of models returned by "
+            f"tf_als.instrument(), or None; received {models!r}."
         )
-        with self._writer.as_default(step=step):
-            tf.summary.text(
-                POINT_NAMES_TAG,
-                "\n".join(p.point_name for p in self.model.scaling_points),
+    for model in models:
+        if not isinstance(model, InstrumentedModel):
+            raise TypeError(
+                "`models` must hold models returned by tf_als.instrument(); "
+                f"received {type(model).__name__} {getattr(model, 'name', model)!r} "
+                "(instrument it: `tf_als.instrument(model)`)."
             )
-
-    def _write(self, step, loss_scale, rows):
-        self._open_writer(step)
-        with self._writer.as_default(step=step):
-            tf.summary.scalar("global/loss_scale", loss_scale)
-            tf.summary.scalar("global/skipped_steps", self.skipped_steps)
-            self._write_overview()
-            for name, values, histogram in rows:
-                group = tag_group(name)
-                for quantity in POINT_QUANTITIES:
-                    tf.summary.scalar(f"{group}/{quantity}", values[quantity])
-                if self.histograms:
-                    _write_histogram(f"{group}/log2_magnitude", histogram, step)
-
-
-def _overview_text(underflow, overflow):
-    """Markdown naming the worst layers by underflow and by overflow."""
-
-    def listing(pairs):
-        return ", ".join(f"`{name}` {value:.2%}" for name, value in pairs) or "none"
-
-    return (
-        f"**underflow** (subnormal after scale): {listing(underflow)}  \n"
-        f"**overflow pressure** (near float16 max): {listing(overflow)}"
-    )
-
-
-def _write_histogram(tag, fractions, step):
-    """A TensorBoard histogram from precomputed buckets [e, e+1) per float16
-    exponent e (the histogram plugin's [left, right, count] tensor)."""
-    from tensorboard.plugins.histogram import metadata
-
-    exponents = np.asarray(tallies.HISTOGRAM_EXPONENTS, np.float64)
-    buckets = np.stack(
-        [exponents, exponents + 1.0, np.asarray(fractions, np.float64)], axis=1
-    )
-    tf.summary.write(
-        tag,
-        tensor=tf.constant(buckets, tf.float64),
-        step=step,
-        metadata=metadata.create_summary_metadata(
-            display_name=tag,
-            description="fraction of gradient elements per log2 magnitude",
-        ),
-    )
+    return list(models)
 
 
 def _read_int(variable):
