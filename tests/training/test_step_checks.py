@@ -234,3 +234,95 @@ def test_the_guard_takes_the_optimizers_to_watch(mixed):
     assert int(gan.g_optimizer.iterations.numpy()) == 48
     with pytest.raises(TypeError, match="wrap it"):
         tf_als.callbacks.NonFiniteGuard(optimizers=[keras.optimizers.Adam()])
+
+
+class _OwnStep(keras.Model):
+    """A model whose class defines its own `train_step`, as keras.io's DDIM
+    does: it scales its loss with `optimizer.scale_loss`, applies, then
+    updates a metric."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            prediction = tf.cast(self(x, training=True), "float32")
+            loss = tf.reduce_mean(tf.square(prediction - y))
+            scaled = self.optimizer.scale_loss(loss)
+        variables = self.trainable_variables
+        self.optimizer.apply(tape.gradient(scaled, variables), variables)
+        return {"loss": loss}
+
+
+class _UnscaledStep(_OwnStep):
+    """The same step without `scale_loss` (a mistake the check cannot see
+    through)."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(tf.cast(self(x, training=True), "float32") - y))
+        variables = self.trainable_variables
+        self.optimizer.apply(tape.gradient(loss, variables), variables)
+        return {"loss": loss}
+
+
+def _own_step_model(cls, optimizer):
+    """Dense(32) -> Dense(1) regressing targets near 300 from inputs near
+    30: the first gradients, times S = 2**15, overflow float16, so a start
+    at the initial scale skips steps until S has fallen."""
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(32, activation="relu")(inputs)
+    model = cls(inputs, keras.layers.Dense(1)(hidden), name="regressor")
+    if isinstance(optimizer, tf_als.AdaptiveLossScaleOptimizer):
+        model = tf_als.instrument(model)
+    model.compile(optimizer=optimizer)
+    rng = np.random.default_rng(0)
+    x = (30.0 + rng.normal(size=(20 * BATCH, 8))).astype("float32")
+    y = (300.0 + 10.0 * rng.normal(size=(20 * BATCH, 1))).astype("float32")
+    return model, x, y
+
+
+def _skipped(model, x):
+    model.fit(x[0], x[1], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    return len(x[0]) // BATCH - int(model.optimizer.iterations.numpy())
+
+
+def test_fit_checks_the_first_batch_of_a_models_own_train_step(mixed):
+    """Without a call from the user, `fit` runs the class's own step on
+    the first batch (ended at its `scale_loss`, nothing applied) and sets
+    S where its gradients are finite: tf_als skips no step where Keras's
+    LossScaleOptimizer, from the same weights on the same batches, skips
+    several while its scale falls, and its weights end closer to float32's
+    (same weights, same batches)."""
+    keras_model, *data = _own_step_model(
+        _OwnStep, keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(1e-6))
+    )
+    als_model, *_ = _own_step_model(
+        _OwnStep, tf_als.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(1e-6))
+    )
+    keras.mixed_precision.set_global_policy("float32")
+    float32_model, *_ = _own_step_model(_OwnStep, keras.optimizers.SGD(1e-6))
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    assert _skipped(float32_model, data) == 0
+    assert _skipped(keras_model, data) >= 3  # The premise.
+    assert _skipped(als_model, data) == 0
+    assert float(als_model.optimizer.dynamic_scale.numpy()) < 2.0**15
+
+    def distance(model):  # Largest weight difference to float32's.
+        return max(
+            float(np.max(np.abs(w.numpy() - r.numpy())))
+            for w, r in zip(model.weights, float32_model.weights)
+        )
+
+    # Every step applied, as float32's: far closer than Keras's run.
+    assert distance(als_model) < distance(keras_model) / 4
+
+
+def test_a_step_that_applies_without_scaling_gets_a_warning_not_a_check(mixed):
+    model, *data = _own_step_model(
+        _UnscaledStep, tf_als.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(1e-6))
+    )
+    with pytest.warns(UserWarning, match="fit ran no first-batch check.*without handing its loss"):
+        model.fit(data[0][:BATCH], data[1][:BATCH], batch_size=BATCH, verbose=0)
+    # The check applied nothing: only fit's one step did.
+    assert int(model.optimizer.iterations.numpy()) <= 1

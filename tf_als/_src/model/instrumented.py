@@ -47,6 +47,7 @@ from tf_als._src.model import training_data
 from tf_als._src.scaling import config as config_module
 from tf_als._src.training import backward
 from tf_als._src.training import optimizer as optimizer_module
+from tf_als._src.training import own_step
 from tf_als._src.training import owners
 from tf_als._src.training import pass_record
 from tf_als._src.training import state
@@ -346,17 +347,19 @@ class InstrumentedModel(saving.Saving, _keras.CheckpointOnly, keras.Model):
         return super().fit(**arguments)
 
     def _preflight(self, batches):
-        """Before the first step of Keras's own train step: promotes the
-        layers whose float16 arithmetic fails on the first batch and
-        chooses a global scale it can apply with
-        (`AdaptiveLossScaleOptimizer.preflight`)."""
+        """Before the first step: promotes the layers whose float16
+        arithmetic fails on the first batch and chooses a global scale it
+        can apply with (`AdaptiveLossScaleOptimizer.preflight`), with the
+        compiled loss under Keras's own train step, with the loss the
+        class's own `train_step` hands `optimizer.scale_loss` otherwise
+        (`own_step`)."""
         optimizer = getattr(self, "optimizer", None)
+        own = type(self).train_step is not InstrumentedModel.train_step
         if (
             batches is None
             or not isinstance(optimizer, optimizer_module.AdaptiveLossScaleOptimizer)
             or not optimizer.promote_on_storm
-            or getattr(self, "loss", None) is None
-            or type(self).train_step is not InstrumentedModel.train_step
+            or (getattr(self, "loss", None) is None and not own)
         ):
             return
         if optimizer.built and int(keras.ops.convert_to_numpy(optimizer.iterations)):
@@ -367,7 +370,21 @@ class InstrumentedModel(saving.Saving, _keras.CheckpointOnly, keras.Model):
             # it, where a mirrored variable reads as its first copy.
             with self.distribute_strategy.scope():
                 optimizer.build(self.trainable_variables)
-        optimizer.preflight(self, batches, loss=self._compiled_loss)
+        if not own:
+            optimizer.preflight(self, batches, loss=self._compiled_loss)
+            return
+        try:
+            optimizer.preflight(
+                self, own_step.packed(batches), step_loss=own_step.step_loss(self, optimizer)
+            )
+        except own_step.Unchecked as error:
+            warnings.warn(
+                f"fit ran no first-batch check: {error}. Call "
+                "`optimizer.preflight(model, batches, step_loss=...)` once "
+                "before fit, with the loss the step differentiates "
+                "(docs/training-loops.md).",
+                stacklevel=3,
+            )
 
     def forget_traces(self) -> None:
         """Drops the traced train, test and predict functions (Keras makes

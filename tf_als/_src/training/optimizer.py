@@ -15,6 +15,7 @@ from tf_als._src.scaling import config as config_module
 from tf_als._src.scaling import rule
 from tf_als._src.training import arguments
 from tf_als._src.training import handoff
+from tf_als._src.training import own_step
 from tf_als._src.training import replicas
 from tf_als._src.training import skips
 from tf_als._src.training import unscaled
@@ -168,6 +169,7 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         skips.add_counters(self)
 
     def apply(self, grads, trainable_variables=None):
+        own_step.intercept(self)  # Never applies during that check.
         models = handoff.receive(self, trainable_variables)  # Before building.
         self._build_once(trainable_variables)
         variables = list(trainable_variables or _keras.optimizer_variables(self))
@@ -328,6 +330,7 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def scale_loss(self, loss: tf.Tensor) -> tf.Tensor:
         """`loss` times S (whether it was finite is kept for messages)."""
+        own_step.intercept(self, loss)  # The check of a model's own step.
         if self.built:
             skips.record_loss(self, loss)
         return super().scale_loss(loss)
