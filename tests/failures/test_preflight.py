@@ -291,6 +291,77 @@ def test_float16_outputs_warn_in_a_custom_loop_not_in_fit():
         model(x, training=True)
 
 
+class _CastingStep(keras.Model):
+    """keras.io's DDIM pattern: its own train_step computes the loss on a
+    float32 cast of the float16 outputs."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(tf.cast(self(x, training=True), "float32") - y))
+            scaled = self.optimizer.scale_loss(loss)
+        self.optimizer.apply(tape.gradient(scaled, self.trainable_variables))
+        return {"loss": loss}
+
+
+def _float16_head(cls=keras.Model):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    return tf_als.instrument(cls(inputs, layers.Dense(3, name="out")(inputs), name="net"))
+
+
+def _float16_warnings(caught):
+    return [str(w.message) for w in caught if "float16 outputs" in str(w.message)]
+
+
+def test_no_float16_outputs_warning_for_a_step_whose_loss_casts_first(mixed):
+    """The DDIM's loss is computed on a float32 cast: no warning, in `fit`
+    of its own train_step (traced) or in a compiled loop that casts."""
+    model = _float16_head(_CastingStep)
+    model.compile(tf_als.AdaptiveLossScaleOptimizer(keras.optimizers.SGD()))
+    x, y = np.ones((8, 4), "float32"), np.zeros((8, 3), "float32")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    assert _float16_warnings(caught) == []
+
+
+def test_the_float16_outputs_warning_fires_where_a_loss_squares_them(mixed):
+    """A GAN-style compiled step calls the model without `training=True`
+    and squares its float16 outputs before any cast: the warning names the
+    model, its output and what the loss does, once; the same step with a
+    cast first gives none."""
+
+    def step_of(loss_of):
+        model = _float16_head()
+        optimizer = tf_als.AdaptiveLossScaleOptimizer(keras.optimizers.SGD())
+
+        @tf.function
+        def step(x):
+            with tf.GradientTape() as tape:
+                scaled = optimizer.scale_loss(loss_of(model(x)))
+            optimizer.apply(tape.gradient(scaled, model.trainable_variables),
+                            model.trainable_variables)
+
+        return step
+
+    x = tf.ones((8, 4))
+    found = []
+    for loss_of in (
+        lambda out: tf.reduce_mean(tf.square(out - 1.0)),
+        lambda out: tf.reduce_mean(tf.square(tf.cast(out, "float32") - 1.0)),
+    ):
+        step = step_of(loss_of)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step(x)
+            step(x)
+        found.append(_float16_warnings(caught))
+    assert len(found[0]) == 1 and found[1] == [], found
+    assert "Model 'net'" in found[0][0] and "('out')" in found[0][0]
+    assert "which it sums or squares in float16" in found[0][0]
+
+
 def _spectral_model():
     """A `SpectralNormalization` Dense, which in training mode assigns its
     own kernel (divided by its spectral norm) and power-iteration vector

@@ -36,6 +36,7 @@ from keras import tree
 
 from tf_als._src.model import _keras
 from tf_als._src.model import checks
+from tf_als._src.model import float16_outputs
 from tf_als._src.model import graph
 from tf_als._src.model import hooks
 from tf_als._src.model import legacy
@@ -187,10 +188,10 @@ class InstrumentedModel(saving.Saving, _keras.CheckpointOnly, keras.Model):
         _keras.pass_inputs_through(self)
         own("float32_outputs", float32_outputs)
         # Whether Keras's own train step is being traced (its losses cast
-        # their inputs to float32), and whether the warning about float16
-        # outputs reaching other training code was given.
+        # their inputs to float32), and the float16 outputs other training
+        # code received (`float16_outputs`).
         own("_keras_train_step", False)
-        own("_warned_float16_outputs", False)
+        own("float16_output_record", float16_outputs.Recorded())
         own("promotions", [])  # tf_als.promote.Promotion, in order
         # The same list for tf.train.Checkpoint (which saves variables, not
         # dtype policies); `promote.sync` reads it after a restore.
@@ -260,9 +261,9 @@ class InstrumentedModel(saving.Saving, _keras.CheckpointOnly, keras.Model):
         subclassed model's own `call` as one opened point; within
         `plain.forward_passes()` (an eager check), the model given to
         `tf_als.instrument`."""
-        if plain.active():
+        if plain.active():  # tf_als's own check: nothing to note.
             outputs = self._tf_als_original(*args, **kwargs)
-            return self._for_the_loss(outputs, kwargs.get("training"))
+            return self._for_the_loss(outputs, kwargs.get("training"), note=False)
         back = backward.Backward(
             self._plan,
             self.scaling_state,
@@ -287,27 +288,18 @@ class InstrumentedModel(saving.Saving, _keras.CheckpointOnly, keras.Model):
             back.choice.finish()
         return self._for_the_loss(outputs, training)
 
-    def _for_the_loss(self, outputs, training):
-        """`outputs`, cast to float32 when `float32_outputs`; else, in
-        training code other than Keras's own train step, a warning (once)
-        when one of them is float16."""
+    def _for_the_loss(self, outputs, training, note=True):
+        """`outputs`, cast to float32 when `float32_outputs`; else, handed
+        to code other than Keras's own train step, its float16 ones noted
+        for the warning about sums of them (`float16_outputs`)."""
         if self.float32_outputs:
             return tree.map_structure(_to_float32, outputs)
-        if training and not self._keras_train_step and not self._warned_float16_outputs:
+        record = self.float16_output_record
+        if note and not self._keras_train_step and not record.warned:
             names = _float16_outputs(self, outputs)
             if names:
-                _keras.set_untracked(self, "_warned_float16_outputs", True)
-                warnings.warn(
-                    f"Model {self.name!r} hands its training code float16 "
-                    f"outputs ({', '.join(names)}). A loss written by hand that "
-                    "sums or squares them over a batch can overflow float16 "
-                    "(65504) and read a constant with every gradient 0, "
-                    "without a non-finite value to skip. Compute the loss "
-                    "on `tf.cast(y_pred, 'float32')`, give the output layer "
-                    "dtype='float32', or pass `float32_outputs=True` to "
-                    "tf_als.instrument (the cast is exact).",
-                    stacklevel=4,
-                )
+                halves = [y for y in tree.flatten(outputs) if _is_float16(y)]
+                record.note(self, names, halves, training)
         return outputs
 
     # -- Keras's training methods, under the user's ---------------------

@@ -32,6 +32,8 @@ def _write_back(optimizer, model, when, produced, scale) -> None:
     next one: `when` is (step, whether to keep the scales, whether
     telemetry is due); `produced` and `scale` as `update.write_gains`."""
     step, keep, telemetry_due = when
+    # Traced after the loss: whether it summed float16 outputs is visible.
+    model.float16_output_record.warn_if_reduced(model)
     with tf.name_scope("tf_als_update"):
         update.write_pass(model, step, keep, telemetry_due, optimizer.scaling_config)
         update.write_gains(model, produced, scale)
