@@ -116,11 +116,11 @@ def _telemetry_rows(records, forward, points, chosen, config):
     )
     scale_in = chosen * tf.stack([records[p].scale_out for p in points])
     empty = rule.forward_tallies([])
-    headroom = tf.transpose(rule.headroom_of_tallies(*[
+    headroom = rule.headroom_of_tallies(*[
         tf.stack([forward.get(p, empty)[i] for p in points]) for i in range(3)
-    ]))
+    ])
     values = state_module.record_vector(
-        scale_in, statistics, tf.unstack(headroom), axis=1
+        scale_in, statistics, tf.unstack(headroom, axis=1), axis=1
     )
     return values, histograms
 
