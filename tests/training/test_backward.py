@@ -248,3 +248,71 @@ def test_a_non_finite_step_keeps_the_scales(mixed):
     for before, variable in zip(weights, model.trainable_variables):
         np.testing.assert_array_equal(before, np.asarray(variable))
     assert float(optimizer.dynamic_scale) == 2.0**14
+
+
+class PenalisedDense(keras.layers.Layer):
+    """A weight layer that adds a loss from its own call, on its kernel:
+    the loss reads the value the call read."""
+
+    def build(self, shape):
+        self.kernel = self.add_weight(shape=(shape[-1], 8), name="kernel")
+
+    def call(self, x):
+        self.add_loss(0.01 * keras.ops.sum(keras.ops.square(self.kernel)))
+        return keras.ops.matmul(x, self.kernel)
+
+
+class Block(keras.layers.Layer):
+    """A composite: its Dense, BatchNormalization (moving statistics
+    assigned in a training call) and a penalised Dense."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(8)
+        self.norm = layers.BatchNormalization()
+        self.penalised = PenalisedDense()
+
+    def call(self, x, training=None):
+        return self.penalised(self.norm(self.dense(x), training=training))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_points_reads_assignments_and_losses_are_the_plain_models(mixed, mode):
+    """A point's weights are read once, outside its custom gradient, and
+    mapped into its call: what the call assigns (a batch norm's moving
+    statistics) and the losses it adds from inside must come out as the
+    plain model's, and the weight gradients, the added loss's included,
+    bitwise equal (scales 2**k, nothing under- or overflows)."""
+    inputs = keras.Input((16,))
+    outputs = layers.Dense(2, name="head")(Block(name="block")(inputs))
+    model = keras.Model(inputs, outputs)
+    instrumented = tf_als.instrument(model)
+    for point in instrumented.scaling_points:
+        point.scale.assign(4.0)
+    x, _ = _data()
+    start = [np.asarray(v) for v in model.non_trainable_variables]
+
+    def step_of(m):
+        def step():
+            with tf.GradientTape() as tape:
+                y = m(x, training=True)
+                value = keras.ops.mean(keras.ops.square(y)) + sum(m.losses)
+            grads = tape.gradient(value * 64.0, m.trainable_variables)
+            return value, grads, list(m.non_trainable_variables)
+
+        value, grads, moving = _run(mode, step)
+        moving = [np.array(v) for v in moving]
+        for v, s in zip(model.non_trainable_variables, start):
+            v.assign(s)  # The next run starts where this one did.
+        return value, grads, moving
+
+    plain = step_of(model)
+    scaled = step_of(instrumented)
+    assert len(instrumented.losses) == len(model.losses) == 1
+    np.testing.assert_array_equal(np.asarray(scaled[0]), np.asarray(plain[0]))
+    for variable, p, s in zip(model.trainable_variables, plain[1], scaled[1]):
+        np.testing.assert_array_equal(np.asarray(s), np.asarray(p), variable.path)
+    moving = zip(model.non_trainable_variables, plain[2], scaled[2], start)
+    for variable, p, s, s0 in moving:
+        assert not np.array_equal(p, s0), variable.path  # The call assigned it.
+        np.testing.assert_array_equal(s, p, variable.path)

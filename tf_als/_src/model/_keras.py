@@ -14,6 +14,7 @@ import typing
 import keras
 import tensorflow as tf
 from keras.src.backend.common import masking as _masking
+from keras.src.backend.common import stateless_scope as _stateless
 from keras.src.models import functional as _functional
 
 # Keras 3.15 `keras.src.models.functional.Functional`: the class of every
@@ -686,3 +687,78 @@ def recorded_by_a_tape(values) -> bool:
     handles = [v.handle if hasattr(v, "handle") else v for v in values]
     handles = [h for h in handles if tf.is_tensor(h)]
     return bool(handles) and record.should_record_backprop(handles)
+
+
+def trainable_weights(layer) -> list:
+    """The Keras 3 variables `layer` (with its sublayers) trains, each
+    once; [] for None. Public: `Layer.trainable_variables`."""
+    if layer is None:
+        return []
+    return [v for v in layer.trainable_variables if isinstance(v, keras.Variable)]
+
+
+def read_stored(variable):
+    """The value Keras variable `variable` holds, in its own dtype (float32
+    under `mixed_float16`): the one read a layer's call would make, before
+    its autocast. Keras 3.15's TensorFlow backend keeps it in
+    `Variable._value`, a `tf.Variable` (public: `Variable.value`, which
+    autocasts inside a layer's call). Inside `reading`, the value it maps
+    `variable` to (Keras 3.15 `keras.src.backend.get_stateless_scope`)."""
+    scope = _stateless.get_stateless_scope()
+    value = None if scope is None else scope.get_current_value(variable)
+    return tf.convert_to_tensor(variable._value) if value is None else value
+
+
+class _Mapped(keras.StatelessScope):
+    """A `keras.StatelessScope` mapping `variables` to `values` as they
+    are (its own mapping converts each value to the variable's `dtype`,
+    which inside a layer's call is the autocast one, float16), that
+    remembers which variables the block assigned, in order, so they can be
+    assigned after it. Keras 3.15 `StatelessScope.state_mapping`."""
+
+    def __init__(self, variables, values):
+        outer = _stateless.get_stateless_scope()
+        super().__init__(collect_losses=True, initialize_variables=False)
+        if outer is not None:  # Inside `stateless_call`: its values hold.
+            self.state_mapping.update(outer.state_mapping)
+        self.state_mapping.update(
+            (id(variable), value) for variable, value in zip(variables, values)
+        )
+        self.assigned = {}
+
+    def add_update(self, update):
+        super().add_update(update)
+        self.assigned.pop(id(update[0]), None)
+        self.assigned[id(update[0])] = update
+
+
+@contextlib.contextmanager
+def reading(layer, variables, values):
+    """Within this block, `layer`'s calls read `values` for `variables`
+    (autocast as their own reads would be); when it ends, what the block
+    assigned to any Keras variable (a batch norm's moving statistics, a
+    seed generator's state) is assigned, and the losses `layer` and its
+    sublayers added are theirs, as if the block had run without it. With no
+    variables, the block runs as it is. Public: `keras.StatelessScope`; its
+    losses reach a layer through Keras 3.15's `Layer._loss_ids` and
+    `Layer._losses`."""
+    if not variables:
+        yield
+        return
+    scope = _Mapped(variables, values)
+    with scope:
+        yield
+    for variable, value in scope.assigned.values():
+        variable.assign(value)
+    outer = _stateless.get_stateless_scope()
+    if outer is not None and outer.collect_losses:
+        for loss in scope.losses:
+            outer.add_loss(loss)
+    elif scope.losses:
+        left = {id(x): x for x in scope.losses}
+        for sublayer in [layer] + sublayers(layer, recursive=True):
+            owned = [x for i, x in left.items() if i in sublayer._loss_ids]
+            sublayer._losses.extend(owned)
+            for x in owned:
+                del left[id(x)]
+        layer._losses.extend(left.values())  # Added by layers it calls.

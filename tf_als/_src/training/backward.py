@@ -71,6 +71,7 @@ class Backward:
         # point's enclosing point (None for a subclassed model's root).
         inner = [p for p in points if p.call is None]
         self._inner = {(p.parent, id(p.layer)): p.index for p in inner}
+        self._owners = {p.index: p.layer for p in points}
         self._parents = {p.index: p.parent for p in inner}
         self._interior = {}  # point -> T_in, the scale of its interior
         self._handled = {}  # point -> ids of variables unscaled inside it
@@ -175,7 +176,7 @@ class Backward:
         Returns the flat list of outputs.
         """
 
-        def backward(tape, ys, xs, variables, upstream, floats):
+        def backward(tape, ys, xs, variables, upstream, floats, keys):
             with tf.name_scope("tf_als_align"):
                 common = self.carried.call(call)
                 common = 1.0 if common is None else common
@@ -191,7 +192,7 @@ class Backward:
             self.carried.point_scales[call.index] = scale_in
             self._input_scales[call.point] = scale_in
             return self._inside(
-                call.point, tape, ys, xs, variables, upstream, scale, scale_in
+                call.point, tape, ys, xs, variables, keys, upstream, scale, scale_in
             )
 
         _, outputs = self._scaled_call(call.point, function, args, kwargs, backward)
@@ -217,7 +218,7 @@ class Backward:
         """
         parent = self._parents[point]
 
-        def backward(tape, ys, xs, variables, upstream, floats):
+        def backward(tape, ys, xs, variables, upstream, floats, keys):
             upstream = [
                 tf.zeros_like(y) if dy is None else _dense(dy)
                 for y, dy in zip(ys, upstream)
@@ -228,14 +229,14 @@ class Backward:
             scale_in = scale * scale_out
             self._input_scales[point] = scale_out
             input_grads, variable_grads = self._inside(
-                point, tape, ys, xs, variables, upstream, scale, scale_in
+                point, tape, ys, xs, variables, keys, upstream, scale, scale_in
             )
             with tf.name_scope("tf_als_rescale"):
                 input_grads = [
                     None if g is None else _rescale(g, scale_out, scale_in)
                     for g in input_grads
                 ]
-            self._handled.setdefault(parent, set()).update(id(v) for v in variables)
+            self._handled.setdefault(parent, set()).update(id(v) for v in keys)
             return input_grads, variable_grads
 
         structure, outputs = self._scaled_call(point, function, args, kwargs, backward)
@@ -245,28 +246,34 @@ class Backward:
         """Runs `function(*args, **kwargs)` inside a custom gradient over its
         float inputs, under a tape, as point `point` (hooked layers called
         inside become its inner points). The gradient is
-        `backward(tape, ys, xs, variables, upstream, floats)`: `ys` the
-        float outputs (at positions `floats` of the flat outputs), `xs`
-        the float inputs, `variables` those the call read.
+        `backward(tape, ys, xs, variables, upstream, floats, keys)`: `ys`
+        the float outputs (at positions `floats` of the flat outputs), `xs`
+        the float inputs, `variables` the values read for variables `keys`.
+        The point layer's own are read once, outside, and passed in.
 
         Returns `(structure, flat)`: the structure of the outputs, and the
         flat outputs with the float ones replaced by their identities.
         """
         flat = tree.flatten((args, kwargs))
         positions, xs = _float_tensors(flat)
+        layer = self._owners.get(point)
+        weights = _keras.trainable_weights(layer)
+        values = [_keras.read_stored(v) for v in weights]
         results = {}
 
         @tf.custom_gradient
-        def scaled(*xs):
+        def scaled(*inputs):
             # The layer reads views of its inputs, made before the tape: a
             # gradient of this call's gradient (a penalty) reaches them
             # through the layer's forward ops, unscaled, and they lift it
             # to the scale the call's input gradients carry.
-            xs = [self._lift(point, x) for x in xs]
+            count = len(inputs) - len(values)
+            xs = [_lift(self._input_scales, point, x) for x in inputs[:count]]
+            mapped = list(inputs[count:])
             call_args, call_kwargs = _substitute(args, kwargs, flat, positions, xs)
             with tf.GradientTape(persistent=True) as tape:
-                tape.watch(xs)
-                with hooks.inside(self, point):
+                tape.watch(xs + mapped)
+                with hooks.inside(self, point), _keras.reading(layer, weights, mapped):
                     outputs = function(*call_args, **call_kwargs)
             flat_outputs = tree.flatten(outputs)
             floats = [i for i, y in enumerate(flat_outputs) if _is_float_tensor(y)]
@@ -274,13 +281,17 @@ class Backward:
             ys = [flat_outputs[i] for i in floats]
 
             def grad(*upstream, variables=None):
-                return backward(
-                    tape, ys, xs, list(variables or []), list(upstream), floats
-                )
+                read = list(variables or [])
+                grads, variable_grads = backward(
+                    tape, ys, xs, mapped + read, list(upstream), floats,
+                    keys=weights + read,
+                )  # The mapped values' gradients leave as input gradients.
+                grads = list(grads) + list(variable_grads[: len(mapped)])
+                return grads, list(variable_grads[len(mapped) :])
 
             return ys, grad
 
-        ys = scaled(*xs)
+        ys = scaled(*xs, *values)
         if not isinstance(ys, (list, tuple)):
             ys = [ys]
         halves = [y for y in ys if y.dtype == tf.float16]
@@ -292,25 +303,7 @@ class Backward:
             outputs[i] = y
         return results["outputs"], outputs
 
-    def _lift(self, point, x):
-        """Identity on input `x` of point `point`. Backward: times the scale
-        the point's input gradients carry, which its gradient function
-        recorded; only a second-order gradient reaches here."""
-
-        @tf.custom_gradient
-        def lift(x):
-            @_named("tf_als_lift")
-            def grad(dy):
-                t = self._input_scales.get(point)
-                return dy if t is None else _rescale(_dense(dy), t, 1.0)
-
-            return tf.identity(x), grad
-
-        y = lift(x)
-        _keras.copy_mask(x, y)
-        return y
-
-    def _inside(self, point, tape, ys, xs, variables, upstream, scale, scale_in):
+    def _inside(self, point, tape, ys, xs, variables, keys, upstream, scale, scale_in):
         """The backward pass of a point's own call: the incoming gradients
         times `scale`, then input gradients (carrying `scale_in`) and
         variable gradients, each divided by `scale_in` in float32 unless an
@@ -327,13 +320,13 @@ class Backward:
             factor = 1.0 / scale_in  # A scalar: exact.
             variable_grads = [
                 g if id(v) in handled else self.unscaled.unscale(g, factor)
-                for v, g in zip(variables, grads[len(xs) :])
+                for v, g in zip(keys, grads[len(xs) :])
             ]
         if any(y.dtype == tf.float16 for y in ys):  # Sums that can overflow.
             self.record.put_products(
                 point,
                 tuple(
-                    g for v, g in zip(variables, variable_grads)
+                    g for v, g in zip(keys, variable_grads)
                     if id(v) not in handled and g is not None
                 ),
             )
@@ -353,6 +346,25 @@ def _named(scope):
         return named
 
     return decorate
+
+
+def _lift(scales, point, x):
+    """Identity on input `x` of point `point`. Backward: times the scale
+    the point's input gradients carry, which its gradient function
+    recorded in `scales`; only a second-order gradient reaches here."""
+
+    @tf.custom_gradient
+    def lift(x):
+        @_named("tf_als_lift")
+        def grad(dy):
+            t = scales.get(point)
+            return dy if t is None else _rescale(_dense(dy), t, 1.0)
+
+        return tf.identity(x), grad
+
+    y = lift(x)
+    _keras.copy_mask(x, y)
+    return y
 
 
 def _substitute(args, kwargs, flat, positions, xs):
