@@ -126,6 +126,10 @@ def test_bad_arguments_are_refused(replication):
         replication.parse_args(["speed"])
 
 
+# Scales the two compilers' rounding may move by one power of two.
+MOVED_BY_ROUNDING = 2
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model_name", ["cnn", "resnet", "sigmoid-mlp"])
 def test_the_paper_rule_is_the_same_with_and_without_xla(replication, model_name):
@@ -134,7 +138,7 @@ def test_the_paper_rule_is_the_same_with_and_without_xla(replication, model_name
     `fit` compiled by XLA and without it. The scales are powers of two
     chosen from a quantile (`tfp.stats.percentile`, a sort) and capped by
     the amax, so the float16 rounding differences between the two
-    compilers move none of them. The loss is weighted 2**-12 (a small
+    compilers move at most a boundary case by one power of two. The loss is weighted 2**-12 (a small
     auxiliary loss), so that the quantiles are small and the rule lifts:
     at full weight the BatchNorm nets' gradients leave no headroom at the
     global scale 2**15, and every scale would stay 1 under either
@@ -159,7 +163,14 @@ def test_the_paper_rule_is_the_same_with_and_without_xla(replication, model_name
         model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
         scales[jit_compile] = list(tf_als.scales(model).values())
     keras.mixed_precision.set_global_policy("float32")
-    assert scales[False] == scales[True]
+    # Float16 rounding differs between the two compilers, and a quantile
+    # or an amax that sits on a power-of-two boundary can go either way:
+    # on an AMD EPYC (2026-12-06) one ResNet point chose 2 without XLA and
+    # 1 with it, and the point it feeds 0.5 and 1 (the same product). A
+    # rule compiled wrongly would move many scales, or by more than that.
+    ratios = [a / b for a, b in zip(scales[False], scales[True])]
+    assert all(r in (0.5, 1.0, 2.0) for r in ratios), scales
+    assert sum(r != 1.0 for r in ratios) <= MOVED_BY_ROUNDING, scales
     # The rule did choose: not every scale stayed at 1.
     assert any(s != 1.0 for s in scales[False]), scales
 
