@@ -295,7 +295,95 @@ SOFTMAX_TOP = Case(
     epochs=1,
 )
 
-CASES = {c.name: c for c in (DOLLARS, INSTANCE_NORM, SOFT_DICE, SOFTMAX_TOP)}
+# -- gpt2_mask --------------------------------------------------------
+
+
+class CausalSelfAttention(layers.Layer):
+    """GPT-2's attention as its first release wrote it: a composite of two
+    Dense sublayers (`c_attn`, `c_proj`) that masks the future in its own
+    `call`, between them, as `w * b - mask_value * (1 - b)`. With GPT-2's
+    1e10 (inf in float16), `inf * 0` makes every logit NaN at any loss
+    scale (huggingface/transformers#382); the fix masks with 1e4
+    (transformers#495). The sublayers take no `dtype`, as the original's
+    did not: in Keras 3 a `dtype="float32"` on this layer does not reach
+    them."""
+
+    def __init__(self, width, heads, mask_value, **kwargs):
+        super().__init__(**kwargs)
+        self.width, self.heads, self.mask_value = width, heads, mask_value
+        self.c_attn = layers.Dense(3 * width, name="c_attn")
+        self.c_proj = layers.Dense(width, name="c_proj")
+
+    def build(self, shape):
+        self.c_attn.build(shape)
+        self.c_proj.build(tuple(shape[:-1]) + (self.width,))
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(width=self.width, heads=self.heads, mask_value=self.mask_value)
+        return config
+
+    def _heads(self, t):
+        shape = keras.ops.shape(t)
+        t = keras.ops.reshape(t, (shape[0], shape[1], self.heads, -1))
+        return keras.ops.transpose(t, (0, 2, 1, 3))
+
+    def call(self, x):
+        q, k, v = keras.ops.split(self.c_attn(x), 3, axis=-1)
+        q, k, v = self._heads(q), self._heads(k), self._heads(v)
+        w = keras.ops.matmul(q, keras.ops.transpose(k, (0, 1, 3, 2)))
+        w = w * keras.ops.cast((self.width // self.heads) ** -0.5, w.dtype)
+        n = keras.ops.shape(x)[1]
+        b = keras.ops.cast(keras.ops.tril(keras.ops.ones((n, n))), w.dtype)
+        w = w * b - keras.ops.cast(self.mask_value, w.dtype) * (1 - b)
+        a = keras.ops.matmul(keras.ops.softmax(w, axis=-1), v)
+        a = keras.ops.reshape(keras.ops.transpose(a, (0, 2, 1, 3)), keras.ops.shape(x))
+        return self.c_proj(a)
+
+
+def _gpt2_build(fix, vocab=16, width=32, length=24):
+    tokens = keras.Input((length,), dtype="int32")
+    x = layers.Embedding(vocab, width, name="wte")(tokens)
+    x = x + layers.Embedding(length, width, name="wpe")(keras.ops.arange(length))
+    for i in range(2):
+        h = layers.LayerNormalization(name=f"ln_1_{i}")(x)
+        x = x + CausalSelfAttention(width, 2, 1e4 if fix else 1e10, name=f"attn_{i}")(h)
+        h = layers.LayerNormalization(name=f"ln_2_{i}")(x)
+        h = layers.Dense(2 * width, activation="gelu", name=f"c_fc_{i}")(h)
+        x = x + layers.Dense(width, name=f"mlp_proj_{i}")(h)
+    x = layers.LayerNormalization(name="ln_f")(x)
+    return keras.Model(tokens, layers.Dense(vocab, dtype="float32", name="lm_head")(x))
+
+
+def _characters(seed, vocab=16, length=24):
+    """Sequences of a fixed random Markov chain over `vocab` symbols whose
+    next symbol is one of two likely ones (seeded: the chain and the
+    draws): next-symbol accuracy is learnable and bounded away from 1."""
+    rng = np.random.default_rng(seed)
+    likely = rng.integers(0, vocab, size=(vocab, 2))
+    sequences = np.empty((48 * 8 + 64, length + 1), "int32")
+    sequences[:, 0] = rng.integers(0, vocab, size=len(sequences))
+    for t in range(length):
+        pick = rng.random(len(sequences))
+        follow = likely[sequences[:, t], (pick < 0.7).astype(int)]
+        noise = rng.integers(0, vocab, size=len(sequences))
+        sequences[:, t + 1] = np.where(pick < 0.9, follow, noise)
+    x, y = sequences[:, :-1], sequences[:, 1:]
+    batches = [(x[i : i + 8], y[i : i + 8]) for i in range(0, 48 * 8, 8)]
+    return batches, (x[48 * 8 :], y[48 * 8 :])
+
+
+GPT2_MASK = Case(
+    name="gpt2_mask",
+    build=_gpt2_build,
+    data=_characters,
+    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    metric=_accuracy,
+    optimizer=lambda: keras.optimizers.Adam(3e-3),
+    epochs=2,
+)
+
+CASES = {c.name: c for c in (DOLLARS, INSTANCE_NORM, SOFT_DICE, SOFTMAX_TOP, GPT2_MASK)}
 
 
 # -- running ------------------------------------------------------------

@@ -188,6 +188,8 @@ def test_nan_data_storm_points_at_the_loss():
     message = str(caught.value)
     assert "the loss itself was not finite, so no loss scale can help" in message
     assert "tf_als.diagnose(model, x, y)" in message
+    # The batches were re-run in float32 before the data were blamed.
+    assert "not finite in float32 either" in message
     # Steps counted as fit counts batches: three, none applied.
     assert "stopped at batch 3 (0 steps applied)" in message
 
@@ -403,8 +405,9 @@ def test_a_float16_forward_overflow_is_reported_as_such(mixed):
     # fit handed its inputs to the guard, which re-ran them eagerly.
     assert message.endswith(
         "An eager re-run on the training data found the first layer whose "
-        "float16 output is not finite: 'big'. Give it dtype='float32' (it "
-        "then computes in float32; its weights are float32 already)."
+        "float16 output is not finite: 'big'. Give layer 'big' "
+        "dtype='float32' where it is built (its weights are float32 already; "
+        "Keras casts its inputs and outputs)."
     ), message
     # The same from a tf.data pipeline.
     data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)

@@ -41,6 +41,7 @@ the gradients measured there allow); a bisection follows only when that
 one overflows inside a layer.
 """
 
+import contextlib
 import dataclasses
 import math
 from typing import Callable, Iterable, Optional
@@ -190,6 +191,38 @@ def check(
         return Outcome(tuple(made), chosen, None, gains)
 
 
+def failing_layers(
+    model: keras.Model,
+    batch: tuple,
+    loss_fn: Optional[Callable],
+    scale: float,
+    training: bool = True,
+) -> list:
+    """The `Failure`s `check` finds on `batch`, in the order it promotes
+    them, without promoting: each round's layers compute in float32 (a
+    composite with its sublayers, `promote.layers_of`) for the rounds after
+    it, as after a promotion, and every policy is back on return. `model`
+    is plain. `tf_als.diagnose` names these, so that it, the first-batch
+    check and the storm path give one answer. At most
+    `promote.MAX_FAILURES` rounds."""
+    found = []
+    top = 2.0 ** math.floor(math.log2(scale))
+    with contextlib.ExitStack() as switched:
+        for _ in range(promote.MAX_FAILURES):
+            forward = backward_search.Forward(model, batch, loss_fn, training)
+            failures = _failures(forward, loss_fn, top)[0]
+            failures = [f for f in failures if f.layer not in {g.layer for g in found}]
+            layers = [promote.layer_at(model, f.layer) for f in failures]
+            if not failures or None in layers:
+                break
+            found += failures
+            for layer in layers:
+                switched.enter_context(
+                    _keras.dtype_policy(promote.layers_of(layer), "float32")
+                )
+    return found
+
+
 def _failures(forward, loss_fn, top) -> tuple:
     """(the `Failure`s of the batch's forward and backward passes, the
     backward finding at the scale `top` or None). Finite at `top`, the
@@ -238,12 +271,29 @@ def _forward_failures(forward, loss_fn) -> list:
                 reason = _stray(layer, arguments, outputs)
                 if reason is not None:
                     failures.append(Failure(nonfinite.layer_path(layer), reason))
+        if not failures:
+            failures += _composite_failures(forward)
     failures += _unreachable_targets(forward.calls, forward.y_pred, forward.targets)
     if loss_fn is not None and not forward.from_step and not failures:
         # A `StepLoss` computes its loss from the batch, not from outputs
         # that could be handed over in float32.
         failures += _loss_overflows(forward, loss_fn)
     return _unique(failures)
+
+
+def clean_in_float32(model: keras.Model, batches: Iterable, loss_fn) -> bool:
+    """Whether `model` (plain), every layer computing in float32, gives
+    each of `batches` a finite loss and finite gradients (with `loss_fn`
+    None, finite outputs). Then a failure those batches show in float16 is
+    float16's, not the data's. Leaves the model as it found it."""
+    with _keras.dtype_policy(_keras.all_layers(model), "float32"):
+        for batch in batches:
+            forward = backward_search.Forward(model, batch, loss_fn)
+            if loss_fn is None and not nonfinite.all_finite(forward.y_pred):
+                return False
+            if loss_fn is not None and forward.at(1.0) is not None:
+                return False
+    return True
 
 
 def _loss_overflows(forward, loss_fn) -> list:
@@ -276,6 +326,32 @@ def _loss_overflows(forward, loss_fn) -> list:
     return failures
 
 
+def _composite_failures(forward) -> list:
+    """The composite layers (below the model) whose float16 output is not
+    finite while their inputs are and their float32 re-run, sublayers
+    included, is: the failure is in the composite's own code between its
+    sublayers (GPT-2's attention masked with 1e10, inf in float16), since
+    no sublayer failed. Innermost first; a composite that holds a failing
+    one is not blamed again. Only non-finite outputs count: a finite
+    composite's re-run could differ by its sublayers' random draws (a
+    dropout inside), which a leaf layer with weights does not make."""
+    failed = []
+    for layer, arguments, outputs in forward.own_calls:
+        if (
+            layer is forward.model
+            or layer.compute_dtype != "float16"
+            or not _keras.sublayers(layer, recursive=False)
+            or nonfinite.all_finite(outputs)
+        ):
+            continue
+        inner = {id(l) for l in _keras.sublayers(layer, recursive=True)}
+        if any(id(f) in inner for f in failed):
+            continue
+        if _stray(layer, arguments, outputs, promote.layers_of(layer)) is not None:
+            failed.append(layer)
+    return [Failure(nonfinite.layer_path(l), promote.COMPOSITE) for l in failed]
+
+
 def _checked(layer) -> bool:
     """A leaf layer with weights that computes in float16."""
     return (
@@ -285,9 +361,10 @@ def _checked(layer) -> bool:
     )
 
 
-def _stray(layer, arguments, outputs) -> Optional[str]:
+def _stray(layer, arguments, outputs, switched=None) -> Optional[str]:
     """Why `layer`'s float16 `outputs` fail against its float32 re-run on
-    the same `arguments`; None when they do not (or its inputs are not
+    the same `arguments`, with the layers `switched` (default: `layer`)
+    computing in float32; None when they do not (or its inputs are not
     finite: a layer upstream failed first)."""
     args, kwargs = arguments
     if not nonfinite.all_finite((args, kwargs)):
@@ -298,7 +375,7 @@ def _stray(layer, arguments, outputs) -> Optional[str]:
         # output of theirs is float32's, rounded. Layers written elsewhere
         # (hand-written statistics) are run again.
         return None
-    with _keras.dtype_policy([layer], "float32"):
+    with _keras.dtype_policy(switched or [layer], "float32"):
         expected = layer(*_to_float32(args), **_to_float32(kwargs))
     got, want = nonfinite.floats(outputs), nonfinite.floats(expected)
     if len(got) != len(want) or not nonfinite.all_finite(want):

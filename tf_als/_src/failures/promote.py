@@ -37,7 +37,11 @@ STRAYS = "float16 forward output strays from float32's"
 TARGETS = "float16 output cannot reach its targets"
 LOSS_DEPARTS = "the loss computed from its float16 output differs from float32's"
 BACKWARD = "float16 backward pass not finite"
-REASONS = (FORWARD, STRAYS, TARGETS, LOSS_DEPARTS, BACKWARD)
+COMPOSITE = (
+    "float16 output not finite, from its own code between its sublayers "
+    "(each of them is finite on what it received)"
+)
+REASONS = (FORWARD, STRAYS, TARGETS, LOSS_DEPARTS, BACKWARD, COMPOSITE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +104,7 @@ def failures(model: keras.Model) -> set:
     failure, however many there are."""
     found = set()
     for promotion in model.promotions:
-        layer = _layer_at(model.uninstrumented(), promotion.layer)
+        layer = layer_at(model.uninstrumented(), promotion.layer)
         found.add((type(layer).__name__, kind(promotion.reason)))
     return found
 
@@ -122,7 +126,7 @@ def promote_all(model: keras.Model, findings, step: int, previous=None) -> tuple
     """
     made = []
     for finding in findings:
-        layer = _layer_at(model.uninstrumented(), finding.layer)
+        layer = layer_at(model.uninstrumented(), finding.layer)
         if layer is None:
             return tuple(made), f"layer {finding.layer!r} is not a layer of the model"
         if layer.compute_dtype == "float32":
@@ -142,8 +146,8 @@ def promote_all(model: keras.Model, findings, step: int, previous=None) -> tuple
                 "not more float32"
             )
         if previous is not None:
-            previous[finding.layer] = layer.dtype_policy.name
-        _keras.set_dtype_policy(layer, "float32")
+            previous[finding.layer] = [l.dtype_policy.name for l in layers_of(layer)]
+        _to_float32(layer)
         promotion = Promotion(layer=finding.layer, reason=finding.reason, step=step)
         model.promotions.append(promotion)
         made.append(promotion)
@@ -151,10 +155,12 @@ def promote_all(model: keras.Model, findings, step: int, previous=None) -> tuple
     return tuple(made), None
 
 
-def undo(model: keras.Model, path: str, policy: str) -> None:
+def undo(model: keras.Model, path: str, policies: list) -> None:
     """Takes back the promotion of the layer at `path`, which computes under
-    `policy` again (it failed in float32 too)."""
-    _keras.set_dtype_policy(_layer_at(model.uninstrumented(), path), policy)
+    `policies` again, its sublayers too, in the order of `layers_of` (it
+    failed in float32 too)."""
+    for layer, policy in zip(layers_of(layer_at(model.uninstrumented(), path)), policies):
+        _keras.set_dtype_policy(layer, policy)
     model.promotions[:] = [p for p in model.promotions if p.layer != path]
     _log(model)
 
@@ -164,13 +170,13 @@ def restore(model: keras.Model, records: Iterable[dict]) -> None:
     `model` does not have yet, in order."""
     for record in list(records)[len(model.promotions):]:
         promotion = Promotion(**record)
-        layer = _layer_at(model.uninstrumented(), promotion.layer)
+        layer = layer_at(model.uninstrumented(), promotion.layer)
         if layer is None:
             raise ValueError(
                 f"The saved model promoted layer {promotion.layer!r} to "
                 "float32, but the loaded model has no layer at that path."
             )
-        _keras.set_dtype_policy(layer, "float32")
+        _to_float32(layer)
         model.promotions.append(promotion)
     _log(model)
 
@@ -186,11 +192,57 @@ def sync(model: keras.Model) -> None:
         restore(model, log.records)
 
 
+def layers_of(layer) -> list:
+    """What promoting `layer` switches to float32: the layer, and a
+    composite's sublayers at every depth, so that its own code and theirs
+    compute in float32 end to end, as `dtype="float32"` on a layer intends
+    (in Keras 3 a layer's dtype does not reach the sublayers its
+    `__init__` makes)."""
+    inner = _keras.sublayers(layer, recursive=True)
+    return [layer] + [l for l in inner if not isinstance(l, keras.layers.InputLayer)]
+
+
+def _to_float32(layer) -> None:
+    for each in layers_of(layer):
+        _keras.set_dtype_policy(each, "float32")
+
+
 def _log(model):
     model.promotion_log.records = [p.as_dict() for p in model.promotions]
 
 
-def _layer_at(model, path) -> Optional[keras.layers.Layer]:
+def advice(model: keras.Model, path: str, promoting: bool = True) -> str:
+    """The fix by hand for the layer at `path` of `model` (plain), failing
+    in float16, as a user applies it in Keras 3; tested by applying it.
+    With `promoting`, it adds that tf_als's check does it (say False where
+    the user turned `promote_on_storm` off)."""
+    layer = layer_at(model, path)
+    if layer is None or not _keras.sublayers(layer, recursive=False):
+        return (
+            f"Give layer {path!r} dtype='float32' where it is built (its "
+            "weights are float32 already; Keras casts its inputs and outputs)"
+            + (
+                ", or train with tf_als, whose first-batch check does this "
+                "for you." if promoting else "."
+            )
+        )
+    inner = ", ".join(repr(l.name) for l in _keras.sublayers(layer, recursive=False))
+    return (
+        f"Layer {path!r} is made of sublayers ({inner}), and in Keras 3 a "
+        "layer's dtype does not reach the sublayers its __init__ makes: "
+        "dtype='float32' on it alone leaves them in float16. Make each "
+        "sublayer with dtype=self.dtype_policy in its __init__ (as KerasHub's "
+        f"layers do) and give {path!r} dtype='float32'"
+        + (
+            "; or train with tf_als, whose first-batch check promotes the "
+            "layer with its sublayers." if promoting else "."
+        )
+    )
+
+
+def layer_at(model, path) -> Optional[keras.layers.Layer]:
+    """The layer of `model` (plain) at `path` (`nonfinite.layer_path`), or
+    None."""
     for layer in _keras.all_layers(model):
         if nonfinite.layer_path(layer) == path:
             return layer

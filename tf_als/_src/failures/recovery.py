@@ -212,16 +212,34 @@ class Recovery:
             optimizer, models[0], batches, loss, limit=STORM_BATCHES, first=False
         )
         if not made and why is None:
-            why = (
-                "an eager re-run of the training batches found no layer whose "
-                "float16 arithmetic fails (the data may hold NaN or inf, or "
-                "the failing batches or dropout draws differ), so no layer "
-                "was promoted to float32"
-            )
+            why = _nothing_found(models[0], batches, loss)
         if why is not None and made:
             promoted = ", ".join(repr(p.layer) for p in promote_module.promoted(models[0]))
             return (), f"{why} (promoted so far: {promoted})"
         return made, why
+
+
+def _nothing_found(model, batches, loss) -> str:
+    """Why a storm's re-run promoted nothing, decided by running the same
+    batches in float32: the data are blamed only when float32 fails on
+    them too."""
+    loss_fn, triples = _loss_and_batches(loss, batches)
+    batches = itertools.islice(triples(), STORM_BATCHES)
+    if preflight_module.clean_in_float32(model.uninstrumented(), batches, loss_fn):
+        return (
+            "the same batches run in float32 with a finite loss and finite "
+            "gradients, so the data are fine and float16 fails, but an eager "
+            "re-run found no layer whose float16 arithmetic fails on them "
+            "(the skipped steps' own batches or dropout draws may differ, "
+            "or the failure is outside the model's layers: in the loss or "
+            "the training step), so no layer was promoted to float32"
+        )
+    return (
+        "the loss or the gradients of these batches are not finite in "
+        "float32 either, so no float16 setting can help: check the inputs "
+        "and labels for NaN or inf (np.isfinite(x).all()), whether the "
+        "loss overflows, and layers that fail at any precision"
+    )
 
 
 def user_loss(loss, step_loss):

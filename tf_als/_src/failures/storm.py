@@ -16,6 +16,7 @@ import keras
 
 from tf_als._src.model import _keras
 from tf_als._src.failures import forward_search
+from tf_als._src.failures import promote
 from tf_als._src.failures import locate
 
 
@@ -60,9 +61,11 @@ def _cause(optimizer, variables, index, bad, loss_finite) -> list:
             "At the first skipped step the loss itself was not finite, so "
             "no loss scale can help: the forward pass overflowed float16, or "
             "the data holds NaN or inf. Run tf_als.diagnose(model, x, y) on "
-            "a failing batch: it names the first layer whose float16 output "
-            "is not finite (give that layer dtype='float32') or says that "
-            "float32 fails too (check the data)."
+            "a failing batch: it names the layer whose float16 arithmetic "
+            "fails and how to put it in float32 (for a layer made of "
+            "sublayers, theirs too: in Keras 3 a layer's dtype does not "
+            "reach the sublayers its __init__ makes), or says that float32 "
+            "fails too (check the data)."
         ]
     if not 0 <= index < len(variables):
         return [
@@ -272,9 +275,8 @@ class NonFiniteGuard(keras.callbacks.Callback):
             )
         return (
             "An eager re-run on the training data found the first layer "
-            f"whose float16 output is not finite: {finding.layer!r}. Give it "
-            "dtype='float32' (it then computes in float32; its weights are "
-            "float32 already)."
+            f"whose float16 output is not finite: {finding.layer!r}. "
+            + promote.advice(model, finding.layer, promoting=False)
         )
 
 

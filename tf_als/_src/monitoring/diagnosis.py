@@ -64,6 +64,13 @@ class Diagnosis:
             off from float32's by more than 2**-4, as a loss that sums
             float16 outputs is. None otherwise.
             `overflow_advice()` says what to do.
+        float16_failures: `(layer path, reason)` of each layer whose
+            float16 arithmetic fails on the batch, in the order found: the
+            layers tf_als's first-batch check promotes to float32 in `fit`
+            (the same search). Empty when none does.
+        failure_advice: for each of `float16_failures`, the fix by hand as
+            Keras 3 applies it (for a layer made of sublayers, how to reach
+            them).
     """
 
     rows: tuple
@@ -72,6 +79,8 @@ class Diagnosis:
     non_finite: Optional[str]
     no_gradient: tuple = ()
     forward_overflow: Optional[str] = None
+    float16_failures: tuple = ()
+    failure_advice: tuple = ()
 
     def underflowing(self, threshold: float = 0.01, scaling: str = "keras") -> list:
         """Points where a scaling flushes more than `threshold` of the
@@ -149,6 +158,9 @@ class Diagnosis:
             )
         if self.non_finite:
             lines.append(self.non_finite)
+        for (layer, reason), advice in zip(self.float16_failures, self.failure_advice):
+            if self.non_finite is None or layer not in self.non_finite:
+                lines.append(f"Layer {layer!r} fails in float16 ({reason}). {advice}")
         if self.forward_overflow is not None:
             lines.append(self.overflow_advice())
         return "\n".join(lines)

@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from tf_als._src.failures import forward_search
 from tf_als._src.failures import nonfinite
+from tf_als._src.failures import promote
 from tf_als._src.model import _keras
 from tf_als._src.scaling import rule
 
@@ -49,8 +50,7 @@ def message(model, batch):
     return (
         f"The float16 forward pass is not finite (float32 is): layer "
         f"{culprit!r} is the first whose output is not finite while its "
-        "inputs are. Give that layer dtype='float32' (its computation then "
-        "runs in float32, its weights are float32 already), or check its "
+        f"inputs are. {promote.advice(model, culprit)} Else check its "
         "weights and inputs for very large values."
     )
 

@@ -20,6 +20,8 @@ from tf_als._src.monitoring import forward_overflow
 from tf_als._src.monitoring import passes
 from tf_als._src.model import composite
 from tf_als._src.failures import locate
+from tf_als._src.failures import preflight
+from tf_als._src.failures import promote
 from tf_als._src.model import instrumented as instrumented_module
 from tf_als._src.model.instrumented import InstrumentedModel
 from tf_als._src.training.optimizer import AdaptiveLossScaleOptimizer
@@ -114,6 +116,7 @@ def _compare(source, variables, batch, expected, loss32):
     )
     (als_grads, _, als_state), als_scale = passes.until_finite(als_gradients)
 
+    failures = _float16_failures(source, batch)
     non_finite = None
     if not np.isfinite(loss32):
         non_finite = (
@@ -121,6 +124,8 @@ def _compare(source, variables, batch, expected, loss32):
             "labels for NaN or inf (e.g. np.isfinite(x).all()) and whether "
             "the loss can overflow."
         )
+    elif failures and (not np.isfinite(loss16) or keras_scale is None):
+        non_finite = _failing(source, failures)
     elif not np.isfinite(loss16):
         non_finite = forward_overflow.message(source, batch)
     elif keras_scale != passes.START_SCALE:
@@ -147,6 +152,41 @@ def _compare(source, variables, batch, expected, loss32):
         non_finite=non_finite,
         no_gradient=tuple(v.path for v, p in zip(variables, present) if not p),
         forward_overflow=overflow,
+        float16_failures=tuple((f.layer, f.reason) for f in failures),
+        failure_advice=tuple(promote.advice(source, f.layer) for f in failures),
+    )
+
+
+def _float16_failures(source, batch) -> list:
+    """The layers the first-batch check would promote on the batch
+    (`preflight.failing_layers`): one search for `diagnose` and `fit`."""
+    batch.rewind()
+    return preflight.failing_layers(
+        source, (batch.x, batch.y, None), _mean(batch.loss_fn),
+        passes.START_SCALE, batch.training,
+    )
+
+
+def _mean(loss):
+    """The loss of `diagnose` as the first-batch check takes it:
+    `(x, y, y_pred, sample_weight)` -> the batch mean, in float32."""
+
+    def loss_fn(x, y, y_pred, sample_weight):
+        return keras.ops.mean(keras.ops.cast(loss(y, y_pred), "float32"))
+
+    return loss_fn
+
+
+def _failing(source, failures) -> str:
+    """What to say when the float16 loss or gradients are not finite at any
+    scale and the first-batch check's search names layers: the first
+    failure, its fix, and the rest."""
+    first = failures[0]
+    rest = ", ".join(repr(f.layer) for f in failures[1:])
+    return (
+        f"Layer {first.layer!r} fails in float16 ({first.reason}); float32 "
+        f"runs the batch cleanly. {promote.advice(source, first.layer)}"
+        + (f" Then {rest} fail too, found once it computes in float32." if rest else "")
     )
 
 
