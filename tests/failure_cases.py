@@ -23,6 +23,11 @@ it on fixed synthetic batches and scores it on held-out ones:
   loss's gradient no longer fits float16 at a scale of 1. Fix: the
   classifier in float32.
 
+- `gpt2_mask`: a 2-block character-level GPT-2 whose composite attention
+  (`CausalSelfAttention`, two Dense sublayers) masks with GPT-2's first
+  constant, 1e10: inf in float16, and inf * 0 makes every logit NaN on the
+  first batch. Fix: the mask 1e4 (huggingface/transformers#495).
+
 `run(case, method, seed)` returns a `Result`; `benchmarks/failures.py`
 prints the table, `tests/failures/test_failures.py` checks it.
 """
