@@ -124,7 +124,7 @@ def _compare(source, variables, batch, expected, loss32):
             "labels for NaN or inf (e.g. np.isfinite(x).all()) and whether "
             "the loss can overflow."
         )
-    elif failures and (not np.isfinite(loss16) or keras_scale is None):
+    elif failures and (not np.isfinite(loss16) or keras_scale != passes.START_SCALE):
         non_finite = _failing(source, failures)
     elif not np.isfinite(loss16):
         non_finite = forward_overflow.message(source, batch)
@@ -178,9 +178,9 @@ def _mean(loss):
 
 
 def _failing(source, failures) -> str:
-    """What to say when the float16 loss or gradients are not finite at any
-    scale and the first-batch check's search names layers: the first
-    failure, its fix, and the rest."""
+    """What to say when the float16 loss or the gradients at Keras's first
+    scale are not finite and the first-batch check's search names layers:
+    the first failure, its fix, and the rest."""
     first = failures[0]
     rest = ", ".join(repr(f.layer) for f in failures[1:])
     return (
