@@ -4,7 +4,8 @@ with its defaults, seed by seed (`tests/failure_cases.py` builds them).
 
 For every run it prints and writes (`benchmarks/results/failures.md` and
 `.json`): the held-out metric (R2 for `dollars`, IoU for the segmentation
-cases, accuracy for `softmax_top`), the steps skipped, the layers promoted
+cases, accuracy for `softmax_top`, next-character accuracy for
+`gpt2_mask`), the steps skipped, the layers promoted
 and the final global scale.
 
     python benchmarks/failures.py                    # every case, 3 seeds
