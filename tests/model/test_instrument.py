@@ -406,19 +406,26 @@ import sys
 import keras
 import numpy as np
 keras.mixed_precision.set_global_policy("mixed_float16")
-model = keras.models.load_model(sys.argv[1], compile=False)
+model = keras.models.load_model(sys.argv[1])  # compile=True, the default
 assert "tf_als" not in sys.modules, "the file imported tf_als"
 x = np.load(sys.argv[2])
 np.save(sys.argv[3], model.predict(x, verbose=0))
+# Compiled with Keras's own LossScaleOptimizer (over the saved Adam): it trains.
+assert type(model.optimizer).__name__ == "LossScaleOptimizer", model.optimizer
+assert type(model.optimizer.inner_optimizer).__name__ == "Adam"
+history = model.fit(x, np.load(sys.argv[3]), verbose=0)
+assert np.isfinite(history.history["loss"][-1])
 print(type(model).__name__, [layer.name for layer in model.layers])
 """
 
 
 def test_a_saved_model_loads_without_tf_als_as_the_users_model(mixed, tmp_path):
-    """A `.keras` file is handed on: where tf_als is not imported it loads
-    as the user's own model (its class, layers and trained weights: the
-    same predictions, bit for bit); where it is, as the instrumented model
-    with its scales."""
+    """A `.keras` file is handed on: where tf_als is not imported it loads,
+    with `load_model`'s default `compile=True`, as the user's own model
+    (its class, layers and trained weights: the same predictions, bit for
+    bit), compiled with Keras's `LossScaleOptimizer` over the same inner
+    optimizer; where tf_als is, as the instrumented model with its scales
+    and tf_als's optimizer."""
     import subprocess
     import sys
 
@@ -441,3 +448,7 @@ def test_a_saved_model_loads_without_tf_als_as_the_users_model(mixed, tmp_path):
     loaded = keras.models.load_model(path)
     assert isinstance(loaded, tf_als.InstrumentedModel) and isinstance(loaded, type(model))
     assert tf_als.scales(loaded) == tf_als.scales(instrumented)
+    assert isinstance(loaded.optimizer, tf_als.AdaptiveLossScaleOptimizer)
+    assert loaded.optimizer.get_config() == instrumented.optimizer.get_config()
+    for saved, restored in zip(instrumented.optimizer.variables, loaded.optimizer.variables):
+        np.testing.assert_array_equal(np.asarray(restored), np.asarray(saved), saved.path)

@@ -425,6 +425,7 @@ class InstrumentedModel(saving.Saving, _keras.CheckpointOnly, keras.Model):
         model, saved = read(config, custom_objects)
         instrumented = make(model, float32_outputs=saved["float32_outputs"])
         promote.restore(instrumented, saved["promotions"])
+        instrumented._tf_als_saved_optimizer = saved.get("optimizer")
         if old:
             legacy.mark(instrumented)
         return instrumented

@@ -84,10 +84,10 @@ class Saving:
         """`keras.Model.save`, written so that `keras.models.load_model`
         rebuilds the instrumented model where tf_als is imported (scales,
         promotions and optimizer state included) and the user's model,
-        with its weights, where it is not (`compile=False`: the optimizer
-        is tf_als's). Saved by `keras.saving.save_model(model, ...)`
-        instead, the file is the user's model and loads as one (with its
-        tf_als optimizer) everywhere.
+        with its weights, where it is not (compiled with Keras's
+        `LossScaleOptimizer` over the same inner optimizer:
+        `get_compile_config`). Saved by `keras.saving.save_model(model, ...)`
+        instead, the file is the user's model and loads as one.
 
         Example:
 
@@ -95,17 +95,39 @@ class Saving:
         model.fit(x, y)
         model.save("run.keras")
         keras.models.load_model("run.keras")   # instrumented, resumes exactly
-        # without tf_als: keras.models.load_model("run.keras", compile=False)
+        # without tf_als, the same call: the user's model, compiled
         ```
         """
         with _keras.serialized_as(type(self), REGISTERED_NAME):
             return super().save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
+
+    def get_compile_config(self):
+        """Keras's compile config, with the optimizer written as Keras's
+        own `LossScaleOptimizer` over the same inner optimizer: a process
+        without tf_als then loads the file compiled, with the default
+        `keras.models.load_model(path)` (it warns that the optimizer's
+        variables do not match and starts it afresh). tf_als's optimizer is
+        written in tf_als's part of the build config (`_saved_state`), and
+        `compile_from_config` compiles with it where tf_als is imported."""
+        config = super().get_compile_config()
+        optimizer = getattr(self, "optimizer", None)
+        if config and isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            stand_in = keras.optimizers.LossScaleOptimizer(
+                optimizer.inner_optimizer,
+                initial_scale=optimizer.initial_scale,
+                dynamic_growth_steps=optimizer.dynamic_growth_steps,
+            )
+            config = dict(config, optimizer=keras.saving.serialize_keras_object(stand_in))
+        return config
 
     def compile_from_config(self, config):
         # Keras skips compiling on load when `compile` is overridden; ours
         # wraps the optimizer, so compile as Keras would and build the
         # optimizer, whose saved variables (global scale, counters, slots)
         # are loaded next.
+        saved = getattr(self, "_tf_als_saved_optimizer", None)
+        if saved is not None:  # tf_als's own, not the stand-in.
+            config = dict(config, optimizer=saved)
         config = keras.saving.deserialize_keras_object(config)
         self.compile(**config)
         if self.built and getattr(self, "optimizer", None) is not None:
@@ -116,11 +138,15 @@ class Saving:
         needs besides the user's model (which `registered_name` the user's
         class loads by, the promotions, `float32_outputs`)."""
         original = self._tf_als_original
-        return {
+        state = {
             "registered_name": keras.saving.get_registered_name(type(original)),
             "promotions": [p.as_dict() for p in self.promotions],
             "float32_outputs": self.float32_outputs,
         }
+        optimizer = getattr(self, "optimizer", None)
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            state["optimizer"] = keras.saving.serialize_keras_object(optimizer)
+        return state
 
 
 def user_model(config, custom_objects):
