@@ -223,6 +223,21 @@ def failing_layers(
     return found
 
 
+def batch_mean_loss(loss: Callable) -> Callable:
+    """`loss(y, y_pred[, sample_weight=])` as the `loss_fn` the checks take,
+    `(x, y, y_pred, sample_weight) -> scalar`, reduced to the batch mean
+    in float32 as `compile` reduces a per-sample loss."""
+
+    def loss_fn(x, y, y_pred, sample_weight):
+        if sample_weight is None:
+            value = loss(y, y_pred)
+        else:
+            value = loss(y, y_pred, sample_weight=sample_weight)
+        return tf.reduce_mean(tf.cast(value, tf.float32))
+
+    return loss_fn
+
+
 def _failures(forward, loss_fn, top) -> tuple:
     """(the `Failure`s of the batch's forward and backward passes, the
     backward finding at the scale `top` or None). Finite at `top`, the

@@ -32,7 +32,6 @@ import itertools
 import warnings
 
 import keras
-import tensorflow as tf
 
 from tf_als._src.failures import backward_search
 from tf_als._src.failures import preflight as preflight_module
@@ -270,7 +269,7 @@ def _loss_and_batches(loss, batches) -> tuple:
         return loss, batches
     if loss is None:
         return None, _inputs_only(batches)
-    return _batch_mean_loss(loss), _triples_of(batches)
+    return preflight_module.batch_mean_loss(loss), _triples_of(batches)
 
 
 def _triples_of(batches):
@@ -283,21 +282,6 @@ def _triples_of(batches):
 def _inputs_only(batches):
     """Input `batches` as `(x, None, None)` triples."""
     return lambda: ((x, None, None) for x in batches())
-
-
-def _batch_mean_loss(loss):
-    """`loss(y, y_pred[, sample_weight=])` as `(x, y, y_pred, sample_weight)
-    -> scalar`, reduced to the batch mean as `compile` reduces a
-    per-sample loss."""
-
-    def loss_fn(x, y, y_pred, sample_weight):
-        if sample_weight is None:
-            value = loss(y, y_pred)
-        else:
-            value = loss(y, y_pred, sample_weight=sample_weight)
-        return tf.reduce_mean(tf.cast(value, tf.float32))
-
-    return loss_fn
 
 
 def _calibrate_gains(model, gains) -> None:

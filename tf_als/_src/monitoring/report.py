@@ -162,19 +162,12 @@ def _float16_failures(source, batch) -> list:
     (`preflight.failing_layers`): one search for `diagnose` and `fit`."""
     batch.rewind()
     return preflight.failing_layers(
-        source, (batch.x, batch.y, None), _mean(batch.loss_fn),
-        passes.START_SCALE, batch.training,
+        source,
+        (batch.x, batch.y, None),
+        preflight.batch_mean_loss(batch.loss_fn),
+        passes.START_SCALE,
+        batch.training,
     )
-
-
-def _mean(loss):
-    """The loss of `diagnose` as the first-batch check takes it:
-    `(x, y, y_pred, sample_weight)` -> the batch mean, in float32."""
-
-    def loss_fn(x, y, y_pred, sample_weight):
-        return keras.ops.mean(keras.ops.cast(loss(y, y_pred), "float32"))
-
-    return loss_fn
 
 
 def _failing(source, failures) -> str:
