@@ -26,7 +26,8 @@ def test_forward_outputs_are_bitwise_equal(case, training):
     instrumented = tf_als.instrument(model)
     x, _ = case.data()
     expected = keras.tree.flatten(model(x, training=training))
-    actual = keras.tree.flatten(instrumented(x, training=training))
+    with tf.GradientTape():  # recorded: the scaling points run
+        actual = keras.tree.flatten(instrumented(x, training=training))
     assert len(actual) == len(expected)
     for a, e in zip(actual, expected):
         assert a.dtype == e.dtype
@@ -54,13 +55,41 @@ def test_masks_propagate_through_scaling_points(mixed):
     model = keras.Model(tokens, layers.Dense(2, dtype="float32")(x))
     ids = np.array([[3, 4, 0, 0, 0, 0], [5, 6, 7, 8, 9, 1]], "int32")
     instrumented = tf_als.instrument(model)
+    with tf.GradientTape():  # recorded: the scaling points run
+        actual = instrumented(ids, training=True)
     np.testing.assert_array_equal(
-        np.asarray(instrumented(ids, training=True)),
-        np.asarray(model(ids, training=True)),
+        np.asarray(actual), np.asarray(model(ids, training=True))
     )
     # The mask changes the result, so it was not silently dropped.
     unmasked = np.asarray(model(np.where(ids == 0, 1, ids), training=True))
-    assert not np.array_equal(unmasked, np.asarray(instrumented(ids)))
+    assert not np.array_equal(unmasked, np.asarray(actual))
+
+
+def test_an_eager_call_no_tape_records_runs_the_plain_model(mixed, monkeypatch):
+    """A decode loop's eager call has no gradient to scale: it runs the
+    model given to `instrument`, without building a backward pass (which
+    made such a call 1.5x the plain model's, `benchmarks/eager_call.py`).
+    Under a tape, or traced, the scaling points run."""
+    from tf_als._src.training import backward
+
+    _, model = architectures.CASES[0].build_pair()
+    instrumented = tf_als.instrument(model)
+    x, _ = architectures.CASES[0].data()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a backward pass was built")
+
+    monkeypatch.setattr(backward, "Backward", refuse)
+    for training in (True, False):
+        np.testing.assert_array_equal(
+            np.asarray(instrumented(x, training=training)),
+            np.asarray(model(x, training=training)),
+        )
+    with pytest.raises(AssertionError, match="backward pass was built"):
+        with tf.GradientTape():
+            instrumented(x, training=True)
+    with pytest.raises(AssertionError, match="backward pass was built"):
+        tf.function(lambda: instrumented(x, training=False))()
 
 
 def test_shares_layers_and_weights(mixed):

@@ -67,6 +67,7 @@ import warnings
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tf_als
 
@@ -362,7 +363,8 @@ def test_compile_defaults_and_forward_pass(name, run, mixed):
     inputs = inputs[0]
     for training in (False, True):
         expected = task(inputs, training=training)
-        actual = model(inputs, training=training)
+        with tf.GradientTape():  # recorded: the scaling points run
+            actual = model(inputs, training=training)
         assert actual.dtype == expected.dtype
         assert np.isfinite(np.asarray(actual)).all()
         np.testing.assert_array_equal(np.asarray(actual), np.asarray(expected))

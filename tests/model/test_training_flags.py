@@ -185,7 +185,8 @@ def test_call_arguments_reach_every_call_as_in_keras(mixed, recorded):
     outputs = {}
     for given in ({}, {"foo_mode": True}, {"foo_mode": False}):
         expected = np.asarray(model(batch, training=True, **given))
-        actual = np.asarray(instrumented(batch, training=True, **given))
+        with tf.GradientTape():  # recorded: the scaling points run
+            actual = np.asarray(instrumented(batch, training=True, **given))
         np.testing.assert_array_equal(actual, expected, err_msg=str(given))
         outputs[tuple(given.items())] = expected
     on, off = outputs[(("foo_mode", True),)], outputs[(("foo_mode", False),)]

@@ -451,6 +451,20 @@ def compiled_by_xla() -> bool:
     return bool(control_flow_util.GraphOrParentsInXlaContext(default_graph()))
 
 
+def eager_and_unrecorded() -> bool:
+    """Whether an op made now runs eagerly with nothing that could take its
+    gradient: no gradient tape and no forward accumulator of this thread
+    records it (a decode loop's call, an evaluation by hand). TensorFlow
+    2.21 `tensorflow.python.eager.record.could_possibly_record`; public:
+    none. Traced code is never taken for unrecorded: a `tf.function`
+    called under a tape differentiates its graph after tracing it."""
+    if not tf.executing_eagerly():
+        return False
+    from tensorflow.python.eager import record
+
+    return not record.could_possibly_record()
+
+
 def unrecorded():
     """A context in which no gradient tape of this thread records the ops
     made: for measurements nothing differentiates (a tape that records

@@ -260,10 +260,15 @@ class InstrumentedModel(saving.Saving, _keras.CheckpointOnly, keras.Model):
         hands it over: the plan run through the scaling points, or a
         subclassed model's own `call` as one opened point; within
         `plain.forward_passes()` (an eager check), the model given to
-        `tf_als.instrument`."""
+        `tf_als.instrument`. An eager call that no tape records (a decode
+        loop's) runs the latter too: with no gradient to scale, its points
+        would cost time and change nothing."""
         if plain.active():  # tf_als's own check: nothing to note.
             outputs = self._tf_als_original(*args, **kwargs)
             return self._for_the_loss(outputs, kwargs.get("training"), note=False)
+        if _keras.eager_and_unrecorded():
+            outputs = self._tf_als_original(*args, **kwargs)
+            return self._for_the_loss(outputs, kwargs.get("training"))
         back = backward.Backward(
             self._plan,
             self.scaling_state,
