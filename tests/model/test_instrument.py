@@ -268,14 +268,6 @@ def test_not_a_model_is_refused():
         tf_als.instrument(layers.Dense(2))
 
 
-@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
-def test_policies_without_float16_are_refused(policy):
-    keras.mixed_precision.set_global_policy(policy)
-    model = architectures.deep_mlp()
-    with pytest.raises(ValueError, match=f"{policy}.*unnecessary.*mixed_float16"):
-        tf_als.instrument(model)
-
-
 def test_model_without_weights_is_refused(mixed):
     inputs = keras.Input((4,))
     model = keras.Model(inputs, layers.Activation("relu")(inputs))

@@ -11,16 +11,41 @@ from tf_als._src.model import points as points_module
 def points_of(model, instrumented_type) -> tuple:
     """(the plan, every `points.Point`) of `model`, checked: raises when it
     holds an instrumented model (an `instrumented_type`) or something
-    tf_als cannot scale."""
+    tf_als cannot scale. A model that computes nothing in float16 has no
+    points (`warn_no_float16` says so)."""
     if graph.is_subclassed(model):
         _check_subclassed(model, instrumented_type)
-        plan, records = graph.empty_plan(model), points_module.of_subclassed(model)
+        plan = graph.empty_plan(model)
+        layers = [model] + _keras.sublayers(model, recursive=True)
+        float16 = any(layer.weights and _float16(layer) for layer in layers)
+        records = points_module.of_subclassed(model) if float16 else []
     else:
         plan = graph.read(model)
         _check_plan(plan, instrumented_type)
-        records = points_module.of_plan(plan)
+        float16 = any(
+            call.kind == graph.LAYER and _float16(call.operation) for call in plan.calls
+        )
+        records = points_module.of_plan(plan) if float16 else []
+    if not float16:
+        warn_no_float16(model)
     _check_inner(records)
     return plan, records
+
+
+def warn_no_float16(model) -> None:
+    """Says that `model`, which computes nothing in float16, gets no
+    scaling points and trains as it would without tf_als; under a float32
+    policy, also how to train in float16 (and why the policy may have been
+    reset)."""
+    policy = model.dtype_policy.name
+    message = _NO_FLOAT16.format(name=model.name, policy=policy)
+    if "bfloat16" not in policy:
+        message += _TO_TRAIN_IN_FLOAT16
+    warnings.warn(message, stacklevel=5)
+
+
+def _float16(layer) -> bool:
+    return getattr(layer, "compute_dtype", None) == "float16"
 
 
 def warn_closed(model, infos) -> None:
@@ -39,9 +64,14 @@ def warn_closed(model, infos) -> None:
 
 
 _NO_FLOAT16 = (
-    "Model {name!r} computes nothing in float16 (its layers' policy is "
-    "{policy!r}); float32 and bfloat16 gradients do not underflow, so loss "
-    "scaling is unnecessary. To train in float16, call "
+    "Model {name!r} computes nothing in float16 (its policy is {policy!r}): "
+    "float32 and bfloat16 gradients do not underflow, so tf_als adds no "
+    "scaling points and the model trains exactly as it would without "
+    "tf_als (an AdaptiveLossScaleOptimizer given to it is Keras's "
+    "LossScaleOptimizer; a plain optimizer stays plain)."
+)
+_TO_TRAIN_IN_FLOAT16 = (
+    " To train in float16, call "
     "`keras.mixed_precision.set_global_policy('mixed_float16')` before "
     "building the model. Where something resets the policy before the "
     "model is built (KerasTuner clears the session, and with it the "
@@ -70,13 +100,7 @@ def _check_subclassed(model, instrumented_type):
             "tf_als.instrument() needs a built model. Call it on a batch "
             "first (`model(x)`), or build it (`model.build(input_shape)`)."
         )
-    layers = [model] + _keras.sublayers(model, recursive=True)
-    if not any(
-        layer.weights and getattr(layer, "compute_dtype", None) == "float16"
-        for layer in layers
-    ):
-        raise ValueError(_NO_FLOAT16.format(name=name, policy=model.dtype_policy.name))
-    for layer in layers[1:]:
+    for layer in _keras.sublayers(model, recursive=True):
         if isinstance(layer, instrumented_type):
             raise ValueError(_INSTRUMENTED_INSIDE.format(name=name, layer=layer.name))
 
@@ -98,14 +122,6 @@ def _check_plan(plan, instrumented_type):
             f"Model {name!r} has no layer with weights, so there is nothing "
             "to scale or train; tf_als.instrument() needs a model with "
             "trainable layers."
-        )
-    if not any(
-        call.kind == graph.LAYER
-        and getattr(call.operation, "compute_dtype", None) == "float16"
-        for call in plan.calls
-    ):
-        raise ValueError(
-            _NO_FLOAT16.format(name=name, policy=plan.model.dtype_policy.name)
         )
     for call in plan.calls:
         layer = call.operation

@@ -17,16 +17,17 @@ def instrument(model: keras.Model, float32_outputs: bool = False) -> keras.Model
 
     The returned model's forward outputs are bitwise equal to `model`'s; only
     the backward pass changes (see `backward`). Train it with a
-    `tf_als.AdaptiveLossScaleOptimizer` under the `mixed_float16` policy.
+    `tf_als.AdaptiveLossScaleOptimizer` under the `mixed_float16` policy;
+    under one with no float16 compute (`float32`, `mixed_bfloat16`), it
+    has no points and trains as `model` would (a warning says so).
 
     Args:
-        model: a built `keras.Model` (Sequential, Functional or subclassed)
-            with a float16 layer that owns weights. Nested models are
-            instrumented layer by layer; composite layers (custom layers,
+        model: a built `keras.Model` (Sequential, Functional or
+            subclassed). Nested models, composite layers (custom layers,
             `MultiHeadAttention`, KerasHub blocks) and a subclassed model
-            at the top are opened, each weighted sublayer they call a point
-            too (see `composite`). Recurrent layers and `TimeDistributed`
-            stay one point (a warning names them; `tf_als.points` says why).
+            at the top are opened: each weighted sublayer is a point (see
+            `composite`). Recurrent layers and `TimeDistributed` stay one
+            point (a warning names them; `tf_als.points` says why).
         float32_outputs: bool, default False. Cast each float16 output to
             float32 for the training code (exact), so that a loss written
             by hand (a custom loop, a model's own `train_step`, a soft-Dice
@@ -37,17 +38,16 @@ def instrument(model: keras.Model, float32_outputs: bool = False) -> keras.Model
     Returns:
         A new model of `model`'s own class (`isinstance` holds; its methods
         run on it as written) that is also a `tf_als.InstrumentedModel`.
-        Its `layers`, `get_layer`, `weights` and `summary` read as
-        `model`'s; `uninstrumented()` returns `model`. A compiled `model`
-        comes compiled the same way, its optimizer wrapped in an
-        `AdaptiveLossScaleOptimizer` (a Keras `LossScaleOptimizer`'s
-        inner optimizer, initial scale and growth steps carried over).
+        Its `layers`, `weights` and `summary` read as `model`'s;
+        `uninstrumented()` returns `model`. A compiled `model` comes
+        compiled the same way, its optimizer an `AdaptiveLossScaleOptimizer`
+        (a `LossScaleOptimizer`'s inner optimizer and knobs carried over).
 
     Raises:
         TypeError: `model` is not a `keras.Model`.
         ValueError: `model` is already instrumented, not built, has no
-            float16 layer with weights, or uses something tf_als cannot
-            scale (the message says what and what to do).
+            layer with weights, or uses something tf_als cannot scale (the
+            message says what and what to do).
 
     Example:
 

@@ -260,13 +260,14 @@ class InstrumentedModel(saving.Saving, _keras.CheckpointOnly, keras.Model):
         hands it over: the plan run through the scaling points, or a
         subclassed model's own `call` as one opened point; within
         `plain.forward_passes()` (an eager check), the model given to
-        `tf_als.instrument`. An eager call that no tape records (a decode
-        loop's) runs the latter too: with no gradient to scale, its points
-        would cost time and change nothing."""
+        `tf_als.instrument`. So does an eager call that no tape records (a
+        decode loop's: with no gradient to scale, its points would cost
+        time and change nothing) and a model with no points (it computes
+        nothing in float16)."""
         if plain.active():  # tf_als's own check: nothing to note.
             outputs = self._tf_als_original(*args, **kwargs)
             return self._for_the_loss(outputs, kwargs.get("training"), note=False)
-        if _keras.eager_and_unrecorded():
+        if not self._point_records or _keras.eager_and_unrecorded():
             outputs = self._tf_als_original(*args, **kwargs)
             return self._for_the_loss(outputs, kwargs.get("training"))
         back = backward.Backward(
@@ -313,8 +314,9 @@ class InstrumentedModel(saving.Saving, _keras.CheckpointOnly, keras.Model):
         """`keras.Model.compile`, with the optimizer (and any optimizer a
         model's own `compile` hands on here) an
         `AdaptiveLossScaleOptimizer`: a plain optimizer is wrapped, a Keras
-        `LossScaleOptimizer` converted (`adaptive`)."""
-        super().compile(adaptive(optimizer), *args, **kwargs)
+        `LossScaleOptimizer` converted (`adaptive`); for a model with no
+        points, as given, as Keras compiles it under that policy."""
+        super().compile(adaptive(optimizer) if self._point_records else optimizer, *args, **kwargs)
         if isinstance(self.optimizer, optimizer_module.AdaptiveLossScaleOptimizer):
             _keras.set_untracked(self, "scaling_config", self.optimizer.scaling_config)
 
@@ -354,6 +356,7 @@ class InstrumentedModel(saving.Saving, _keras.CheckpointOnly, keras.Model):
         own = type(self).train_step is not InstrumentedModel.train_step
         if (
             batches is None
+            or not self._point_records
             or not isinstance(optimizer, optimizer_module.AdaptiveLossScaleOptimizer)
             or not optimizer.promote_on_storm
             or (getattr(self, "loss", None) is None and not own)

@@ -307,6 +307,8 @@ class ScaleHistory(keras.callbacks.Callback):
             self.skipped_steps += max(steps - (iterations - before), 0)
         self._iterations_before = iterations
         self._batch_before = None
+        if not self.model.point_records:  # It computes nothing in float16.
+            return
         last = _read_int(self.model.scaling_state.last_updates[0])
         if before is None:
             happened = last >= 0 and last != self._last_seen

@@ -53,9 +53,12 @@ def receive(optimizer, variables):
     return models
 
 
-def warn_not_instrumented(optimizer) -> None:
+def warn_not_instrumented(optimizer, variables) -> None:
     """Warns that `optimizer` applies gradients of no instrumented model
-    (called once per optimizer)."""
+    (called once per optimizer), unless `variables` belong to one with no
+    scaling points (`instrument` said why)."""
+    if owners.owning(variables, scaled=False):
+        return
     warnings.warn(
         f"AdaptiveLossScaleOptimizer {optimizer.name!r} is applying "
         "gradients of a model that was not instrumented: per-layer scaling "

@@ -179,7 +179,7 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._applied_models = [weakref.ref(m) for m in models]
         if not models and not self._warned_plain:
             self._warned_plain = True
-            handoff.warn_not_instrumented(self)
+            handoff.warn_not_instrumented(self, variables)
         step, telemetry_due, updates = handoff.before_apply(self)
         scale = tf.convert_to_tensor(self.dynamic_scale)  # This step's S.
         # Divided by S before Keras's finite-step conditional, which

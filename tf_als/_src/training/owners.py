@@ -31,12 +31,14 @@ def register(model) -> None:
     _models[model] = next(_order)
 
 
-def owning(variables) -> list:
+def owning(variables, scaled: bool = True) -> list:
     """The live instrumented models with a trainable variable among
-    `variables`, in the order they were made."""
+    `variables`, in the order they were made: those with scaling points,
+    or (`scaled=False`) those without, which compute nothing in float16."""
     wanted = {id(v) for v in variables}
     found = [
         (order, m) for m, order in list(_models.items())
-        if any(id(v) in wanted for v in m.trainable_variables)
+        if bool(m.point_records) == scaled
+        and any(id(v) in wanted for v in m.trainable_variables)
     ]
     return [m for _, m in sorted(found, key=lambda pair: pair[0])]
