@@ -6,6 +6,8 @@ tests/loops.py, trained with `fit` on the GAN's own `train_step`, from the
 same weights on the same batches as float32 and Keras's
 `LossScaleOptimizer`."""
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -326,3 +328,63 @@ def test_a_step_that_applies_without_scaling_gets_a_warning_not_a_check(mixed):
         model.fit(data[0][:BATCH], data[1][:BATCH], batch_size=BATCH, verbose=0)
     # The check applied nothing: only fit's one step did.
     assert int(model.optimizer.iterations.numpy()) <= 1
+
+
+class _Wrapper(keras.Model):
+    """keras.io's DDIM shape: the model `fit` runs is not instrumented; it
+    holds the instrumented network its own `train_step` trains."""
+
+    def __init__(self, network, **kwargs):
+        super().__init__(**kwargs)
+        self.network = network
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            prediction = tf.cast(self.network(x, training=True), "float32")
+            loss = tf.reduce_mean(tf.square(prediction - y))
+            scaled = self.optimizer.scale_loss(loss)
+        variables = self.network.trainable_variables
+        self.optimizer.apply(tape.gradient(scaled, variables), variables)
+        return {"loss": loss}
+
+
+def _wrapped():
+    network, x, y = _own_step_model(keras.Model, keras.optimizers.SGD(1e-6))
+    wrapper = _Wrapper(tf_als.instrument(network))
+    wrapper.compile(optimizer=tf_als.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(1e-6)))
+    return wrapper, x, y
+
+
+def test_a_wrapper_that_fit_cannot_check_is_told_which_call_to_make(mixed):
+    """`fit` cannot reach the first batch of a model it does not run: the
+    first traced step warns and names `preflight`. After that call, no
+    warning, and the step skips fewer (the premise: the unchecked run skips
+    steps, as Keras's would)."""
+    wrapper, x, y = _wrapped()
+    with pytest.warns(UserWarning, match="without the first-batch check.*preflight"):
+        unchecked = _skipped(wrapper, (x, y))
+    assert unchecked >= 3
+    wrapper, x, y = _wrapped()
+    wrapper.optimizer.preflight(
+        wrapper.network,
+        lambda: [(x[:BATCH], y[:BATCH])],
+        step_loss=lambda batch: tf.reduce_mean(
+            tf.square(tf.cast(wrapper.network(batch[0], training=True), "float32") - batch[1])
+        ),
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        checked = _skipped(wrapper, (x, y))
+    assert not [w for w in caught if "first-batch check" in str(w.message)]
+    assert checked < unchecked
+
+
+def test_fit_of_an_instrumented_model_does_not_warn_of_a_missing_check(mixed):
+    model, x, y = _own_step_model(
+        _OwnStep, tf_als.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(1e-6))
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _skipped(model, (x, y))
+    assert not [w for w in caught if "first-batch check" in str(w.message)]

@@ -57,6 +57,8 @@ class Recovery:
         looked_below: the global scale at which a scale below 1 was last
             looked into (inf: not yet).
         gave_up_on_window: frequent skips were warned of, once.
+        warned_plain: gradients of no instrumented model were warned of.
+        warned_unchecked: a first step without the check was warned of.
     """
 
     def __init__(self):
@@ -64,6 +66,8 @@ class Recovery:
         self.preflown = False
         self.looked_below = float("inf")
         self.gave_up_on_window = False
+        self.warned_plain = False
+        self.warned_unchecked = False
 
     def check(self, optimizer, attempted=None, batches=None, loss=None) -> list:
         """`optimizer.check_skips`: the promotions made (see the module)."""

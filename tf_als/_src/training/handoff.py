@@ -53,10 +53,21 @@ def receive(optimizer, variables):
     return models
 
 
+def warn_of_the_start(optimizer, models, variables, recovery) -> None:
+    """At an `apply` of `optimizer` to `variables`, which belong to the
+    instrumented `models`: the warnings it gives once each
+    (`warn_not_instrumented`, `warn_unchecked`), as `recovery` (the
+    optimizer's `failures.recovery.Recovery`) has recorded them."""
+    if not models and not recovery.warned_plain:
+        recovery.warned_plain = True
+        warn_not_instrumented(optimizer, variables)
+    warn_unchecked(optimizer, models, recovery)
+
+
 def warn_not_instrumented(optimizer, variables) -> None:
-    """Warns that `optimizer` applies gradients of no instrumented model
-    (called once per optimizer), unless `variables` belong to one with no
-    scaling points (`instrument` said why)."""
+    """Warns that `optimizer` applies gradients of no instrumented model,
+    unless `variables` belong to one with no scaling points (`instrument`
+    said why)."""
     if owners.owning(variables, scaled=False):
         return
     warnings.warn(
@@ -65,7 +76,41 @@ def warn_not_instrumented(optimizer, variables) -> None:
         "is off, and this is exactly Keras's LossScaleOptimizer. Instrument "
         "the model to turn it on: `model = tf_als.instrument(model)` before "
         "compiling (or before the custom training loop).",
-        stacklevel=3,
+        stacklevel=4,
+    )
+
+
+def warn_unchecked(optimizer, models, recovery) -> None:
+    """Warns, once per optimizer, when its first traced step trains
+    instrumented `models` without the first-batch check: a wrapper
+    model's own `train_step` that `fit` runs (keras.io's DDIM, a GAN) or a
+    compiled custom loop, where nothing calls `preflight`. Eager loops
+    check after their first steps (`check_skips`); a resumed run (a step
+    already applied) needs no check."""
+    if (
+        not models
+        or recovery.preflown
+        or recovery.warned_unchecked
+        or tf.executing_eagerly()
+        or not optimizer.promote_on_storm
+    ):
+        return
+    recovery.warned_unchecked = True
+    with tf.init_scope():
+        if optimizer.built and int(optimizer.iterations.numpy()):
+            return
+    names = ", ".join(repr(m.name) for m in models)
+    warnings.warn(
+        f"AdaptiveLossScaleOptimizer {optimizer.name!r} starts training "
+        f"{names} without the first-batch check, so its first steps may be "
+        "skipped while the global scale falls from "
+        f"{optimizer.initial_scale:g}, as Keras's LossScaleOptimizer's are. "
+        "`fit` runs the check for the instrumented model passed to it; "
+        "where another model's `train_step` trains the instrumented ones "
+        "(a GAN, keras.io's DDIM) or a compiled loop does, call "
+        "`optimizer.preflight(model, batches, step_loss=...)` once before "
+        "training (docs/training-loops.md).",
+        stacklevel=4,
     )
 
 

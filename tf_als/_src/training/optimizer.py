@@ -154,7 +154,6 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             None if max_consecutive_skips is None else int(max_consecutive_skips)
         )
         self.promote_on_storm = promote_on_storm
-        self._warned_plain = False
         self._recovery = recovery.Recovery()
         self._checked = None  # While `apply` runs: (gradients, their flags).
         self._applied_models = []  # Weak references (`applied_models`).
@@ -177,9 +176,7 @@ class AdaptiveLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         variables = list(trainable_variables or _keras.optimizer_variables(self))
         models = handoff.receive(self, variables) if models is None else models
         self._applied_models = [weakref.ref(m) for m in models]
-        if not models and not self._warned_plain:
-            self._warned_plain = True
-            handoff.warn_not_instrumented(self, variables)
+        handoff.warn_of_the_start(self, models, variables, self._recovery)
         step, telemetry_due, updates = handoff.before_apply(self)
         scale = tf.convert_to_tensor(self.dynamic_scale)  # This step's S.
         # Divided by S before Keras's finite-step conditional, which
