@@ -558,3 +558,21 @@ def test_fit_parity(mixed, jit_compile):
     assert _state(opt_a) == _state(opt_b) == (512.0, 1, 5)
     for va, vb in zip(opt_a.variables, _parent_variables(opt_b), strict=True):
         assert np.asarray(va).tobytes() == np.asarray(vb).tobytes(), va.path
+
+
+def test_the_paper_rule_without_tensorflow_probability_names_the_install(monkeypatch):
+    """tensorflow-probability is the `paper` extra, not a core dependency
+    (its tf-keras would replace an older TensorFlow): the rule that needs
+    it says what to install, when the optimizer is made, not at its first
+    traced step."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+
+    def find_spec(name, *args, **kwargs):
+        return None if name == "tensorflow_probability" else real(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    with pytest.raises(ImportError, match=r"pip install 'tf_als\[paper\]'"):
+        tf_als.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(), rule="paper")
+    tf_als.AdaptiveLossScaleOptimizer(keras.optimizers.SGD())  # amax: no tfp

@@ -7,6 +7,7 @@ neither reads the optimizer's attributes.
 """
 
 import dataclasses
+import importlib.util
 import math
 import numbers
 
@@ -62,6 +63,13 @@ class ScalingConfig:
         if self.rule not in RULES:
             allowed = ", ".join(repr(r) for r in RULES)
             raise ValueError(f"`rule` must be one of {allowed}; received {self.rule!r}.")
+        if self.rule == "paper" and importlib.util.find_spec("tensorflow_probability") is None:
+            raise ImportError(
+                "rule='paper' computes its quantile with tensorflow-probability, "
+                "which is not installed: `pip install 'tf_als[paper]'` (or "
+                "`tensorflow-probability` and the `tf-keras` of your "
+                "TensorFlow's minor release)."
+            )
         check_int("update_interval", self.update_interval)
         check_int("telemetry_interval", self.telemetry_interval)
         if (
