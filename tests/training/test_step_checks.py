@@ -164,7 +164,7 @@ def test_a_step_loss_must_call_the_model(mixed):
     model = tf_als.instrument(loops.mlp(loops.FEATURES, 8, 1, "critic"))
     optimizer = tf_als.AdaptiveLossScaleOptimizer(keras.optimizers.Adam())
     x = np.zeros((2, loops.FEATURES), "float32")
-    with pytest.raises(ValueError, match="step_loss did not call model 'critic'"):
+    with pytest.raises(ValueError, match="loss does not call model 'critic' itself"):
         optimizer.preflight(model, lambda: [x], step_loss=lambda b: tf.reduce_sum(b))
 
 
@@ -388,3 +388,24 @@ def test_fit_of_an_instrumented_model_does_not_warn_of_a_missing_check(mixed):
         warnings.simplefilter("always")
         _skipped(model, (x, y))
     assert not [w for w in caught if "first-batch check" in str(w.message)]
+
+
+class _CallingWrapper(_Wrapper):
+    """The wrapper given a `call` (so that it can be instrumented), whose
+    step still calls `self.network` directly."""
+
+    def call(self, x, training=None):
+        return self.network(x, training=training)
+
+
+def test_an_instrumented_wrapper_whose_step_bypasses_it_warns_not_fails(mixed):
+    """Instrumenting the wrapper does not reach the network its step calls
+    directly: `fit` says so and trains on (it raised a ValueError)."""
+    network, x, y = _own_step_model(keras.Model, keras.optimizers.SGD(1e-6))
+    wrapper = _CallingWrapper(network)
+    wrapper(x[:1])
+    wrapper = tf_als.instrument(wrapper)
+    wrapper.compile(optimizer=tf_als.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(1e-6)))
+    with pytest.warns(UserWarning, match="fit ran no first-batch check.*instrument the model the step calls"):
+        wrapper.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, verbose=0)
+    assert int(wrapper.optimizer.iterations.numpy()) <= 1

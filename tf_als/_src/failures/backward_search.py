@@ -23,6 +23,10 @@ from tf_als._src.failures import nonfinite
 from tf_als._src.scaling import rule
 
 
+class NotCalled(ValueError):
+    """A `StepLoss` that never called the model it checks."""
+
+
 class StepLoss:
     """The loss a custom training step differentiates, computed from one
     of its batches as the step computes it: `fn(batch)` calls the
@@ -115,10 +119,13 @@ class Forward:
         """The outputs of every call of `model` a `StepLoss` made."""
         outputs = [out for layer, _, out in self.calls if layer is self.model]
         if not outputs:
-            raise ValueError(
-                f"step_loss did not call model {self.model.name!r}: it must "
-                "compute the loss the training step differentiates for the "
-                "model's weights, calling the model on the batch"
+            raise NotCalled(
+                f"the step's loss does not call model {self.model.name!r} "
+                "itself: it must compute the loss the training step "
+                "differentiates for the model's weights by calling the "
+                "model on the batch (a step that calls the model's layers "
+                "or inner models directly runs none of its scaling points: "
+                "instrument the model the step calls)"
             )
         return outputs
 

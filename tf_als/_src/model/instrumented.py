@@ -53,6 +53,7 @@ from tf_als._src.training import owners
 from tf_als._src.training import pass_record
 from tf_als._src.training import state
 from tf_als._src.training import unscaled
+from tf_als._src.failures import backward_search
 from tf_als._src.failures import promote
 from tf_als._src.failures import storm
 
@@ -377,7 +378,7 @@ class InstrumentedModel(saving.Saving, _keras.CheckpointOnly, keras.Model):
             optimizer.preflight(
                 self, own_step.packed(batches), step_loss=own_step.step_loss(self, optimizer)
             )
-        except own_step.Unchecked as error:
+        except (own_step.Unchecked, backward_search.NotCalled) as error:
             warnings.warn(
                 f"fit ran no first-batch check: {error}. Call "
                 "`optimizer.preflight(model, batches, step_loss=...)` once "
