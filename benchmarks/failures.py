@@ -11,6 +11,11 @@ and the final global scale.
     python benchmarks/failures.py                    # every case, 3 seeds
     python benchmarks/failures.py dollars soft_dice  # some cases
     python benchmarks/failures.py --seeds 0          # one seed
+    python benchmarks/failures.py noisy_or --output failures_noisy_or
+
+The cases rebuilt from public reports (`failure_cases.REPORTED`: `noisy_or`,
+`exp_loss`, `variance_norm`) run only when named; the slow suite does not
+run them.
 
 Every case but `softmax_top` takes well under a minute per seed on two CPU
 cores; `softmax_top` (EfficientNetV2B0) takes a few minutes per seed.
@@ -32,7 +37,8 @@ def main(argv=None):
     from tests import failure_cases
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("cases", nargs="*", choices=[[]] + list(failure_cases.CASES))
+    cases = {**failure_cases.CASES, **failure_cases.REPORTED}
+    parser.add_argument("cases", nargs="*", choices=[[]] + list(cases))
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--output", default="failures")
     args = parser.parse_args(argv)
@@ -42,7 +48,7 @@ def main(argv=None):
     for name in names:
         for seed in seeds:
             for method in failure_cases.METHODS:
-                result = failure_cases.run(failure_cases.CASES[name], method, seed)
+                result = failure_cases.run(cases[name], method, seed)
                 row = {
                     "case": name,
                     "seed": seed,

@@ -391,6 +391,211 @@ GPT2_MASK = Case(
 CASES = {c.name: c for c in (DOLLARS, INSTANCE_NORM, SOFT_DICE, SOFTMAX_TOP, GPT2_MASK)}
 
 
+# -- reported: noisy_or, exp_loss, variance_norm (not in CASES: benchmarks/failures.py only)
+
+
+def _digits():
+    """scikit-learn's 8x8 digits, pixels 0-16 as the dataset gives them."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    return digits.data.astype("float32"), digits.target.astype("int32")
+
+
+class NoisyOrPool(layers.Layer):
+    """Noisy-OR pooling of a bag's instance probabilities (last axis),
+    `1 - prod(1 - p)` through `log1p`, with the clamp of
+    fastino-ai/GLiNER2#155: `p.clamp(max=1 - 1e-6)`. Float16 rounds
+    `1 - 1e-6` to 1.0, so a saturated instance (sigmoid above ~8.3 rounds
+    to 1.0) gives `log1p(-1) = -inf`: the bag's probability is still a
+    finite 1.0, but its backward pass is `0 * inf = NaN` at any loss scale.
+    The fix is a margin float16 holds next to 1 (`1 - 1e-3`)."""
+
+    def __init__(self, margin=1e-6, **kwargs):
+        super().__init__(**kwargs)
+        self.margin = margin
+
+    def get_config(self):
+        return {**super().get_config(), "margin": self.margin}
+
+    def call(self, p):
+        p = keras.ops.minimum(p, keras.ops.cast(1.0 - self.margin, p.dtype))
+        return 1.0 - keras.ops.exp(keras.ops.sum(keras.ops.log1p(-p), axis=-1, keepdims=True))
+
+
+def _noisy_or_build(fix, instances=8):
+    inputs = keras.Input((instances, 64))
+    x = layers.Dense(32, activation="relu", name="hidden")(inputs)
+    x = layers.Dense(1, activation="sigmoid", name="instance_prob")(x)
+    x = layers.Reshape((instances,))(x)
+    return keras.Model(inputs, NoisyOrPool(1e-3 if fix else 1e-6, name="noisy_or")(x))
+
+
+def _bags(seed, instances=8, target=0, train_bags=48 * 8, test_bags=256):
+    """Multiple-instance learning on digits: a bag of `instances` digit
+    images is positive when one of them is a `target`. Train and held-out
+    bags are drawn (seeded) from disjoint halves of the images; raw pixels
+    (0-16), as users feed them."""
+    x, digit = _digits()
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(x))
+    split = len(x) * 2 // 3
+
+    def draw(pool, count):
+        picks = rng.choice(pool, size=(count, instances))
+        return x[picks], np.any(digit[picks] == target, axis=1).astype("float32")[:, None]
+
+    bx, by = draw(order[:split], train_bags)
+    batches = [(bx[i : i + 8], by[i : i + 8]) for i in range(0, train_bags, 8)]
+    return batches, draw(order[split:], test_bags)
+
+
+def _bag_accuracy(y, y_pred):
+    y_pred = np.asarray(y_pred, "float32")
+    if not np.all(np.isfinite(y_pred)):
+        return float("nan")
+    return float(np.mean((y_pred > 0.5) == (np.asarray(y) > 0.5)))
+
+
+NOISY_OR = Case(
+    name="noisy_or",
+    build=_noisy_or_build,
+    data=_bags,
+    loss=keras.losses.BinaryCrossentropy(),
+    metric=_bag_accuracy,
+    optimizer=lambda: keras.optimizers.Adam(1e-2),
+    epochs=2,
+)
+
+
+class HandLogSoftmax(layers.Layer):
+    """Log-probabilities written by hand, `z - log(sum(exp(z)))`, with no
+    max subtracted: in float16 `exp` overflows above 11.09, `log(inf)` is
+    inf and a row's log-probabilities are -inf (the forward pass, at any
+    loss scale). Reported: tensorflow/tensorflow#59826, keras.io's
+    Forward-Forward example stops learning under mixed_float16; its layers
+    exponentiate their goodness in their float16 compute dtype
+    (`log(1 + exp(g - threshold))`, with no max subtracted). That thread
+    closed stale, without a fix; the fix here is the one
+    tensorflow/tensorflow#10142 and uTensor/uTensor#175 (fixed in #176)
+    give for an overflowing `exp`: subtract the max first (`stable=True`),
+    which keeps the layer in float16."""
+
+    def __init__(self, stable=False, **kwargs):
+        super().__init__(**kwargs)
+        self.stable = stable
+
+    def get_config(self):
+        return {**super().get_config(), "stable": self.stable}
+
+    def call(self, z):
+        shift = keras.ops.zeros_like(z[..., :1])
+        if self.stable:
+            shift = keras.ops.max(z, axis=-1, keepdims=True)
+        total = keras.ops.sum(keras.ops.exp(z - shift), axis=-1, keepdims=True)
+        return z - (shift + keras.ops.log(total))
+
+
+def _exp_logsumexp_build(fix):
+    inputs = keras.Input((64,))
+    x = layers.Dense(64, activation="relu", name="hidden")(inputs)
+    logits = layers.Dense(10, name="logits")(x)
+    return keras.Model(inputs, HandLogSoftmax(stable=fix, name="log_softmax")(logits))
+
+
+def _digit_classes(seed, train=40 * 16):
+    """Digits classification on raw pixels (0-16), as the dataset gives
+    them: the logits start near float16's `exp` limit and pass it within
+    the first steps."""
+    x, y = _digits()
+    order = np.random.default_rng(seed).permutation(len(x))
+    x, y = x[order], y[order]
+    batches = [(x[i : i + 16], y[i : i + 16]) for i in range(0, train, 16)]
+    return batches, (x[train:], y[train:])
+
+
+def _nll(y, log_probs):
+    """Negative log-likelihood of integer labels under log-probabilities."""
+    y = keras.ops.cast(keras.ops.reshape(y, (-1, 1)), "int32")
+    return -keras.ops.mean(keras.ops.take_along_axis(log_probs, y, axis=-1))
+
+
+EXP_LOSS = Case(
+    name="exp_loss",
+    build=_exp_logsumexp_build,
+    data=_digit_classes,
+    loss=_nll,
+    metric=_accuracy,
+    optimizer=lambda: keras.optimizers.Adam(3e-3),
+    epochs=3,
+)
+
+class ProjectNorm(layers.Layer):
+    """A composite: a Dense projection (sublayer `proj`), then a
+    normalisation written in its own `call` with the one-pass variance
+    `mean(h**2) - mean(h)**2` over the whole feature map. On raw 0-255
+    pixels the projection passes 256, and its square passes float16's
+    65504: neuroneural/brainchop-cli#56 (a GroupNorm variance squared in
+    float16, "any conv output > ~256 overflows"; fixed by computing the
+    statistics in float32) and cellarium-ai/cellarium-ml#113 (the same
+    one-pass `E[x**2] - E[x]**2`, NaN in float16). The fix:
+    `float32_stats=True`, the statistics on a float32 copy."""
+
+    def __init__(self, width, float32_stats=False, **kwargs):
+        super().__init__(**kwargs)
+        self.width, self.float32_stats = width, float32_stats
+        self.proj = layers.Dense(width, name="proj")
+
+    def build(self, shape):
+        self.proj.build(shape)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(width=self.width, float32_stats=self.float32_stats)
+        return config
+
+    def call(self, x):
+        h = self.proj(x)
+        stats = keras.ops.cast(h, "float32") if self.float32_stats else h
+        axes = tuple(range(1, len(h.shape)))
+        mean = keras.ops.mean(stats, axis=axes, keepdims=True)
+        variance = keras.ops.mean(stats * stats, axis=axes, keepdims=True) - mean * mean
+        normalised = (stats - mean) * keras.ops.rsqrt(variance + 1e-3)
+        return keras.ops.cast(normalised, h.dtype)
+
+
+def _variance_norm_build(fix):
+    inputs = keras.Input((2, 32))
+    x = ProjectNorm(32, float32_stats=fix, name="project_norm")(inputs)
+    x = layers.Activation("relu")(x)
+    x = layers.Flatten()(x)
+    return keras.Model(inputs, layers.Dense(10, name="classes")(x))
+
+
+def _digit_images(seed, train=40 * 16):
+    """Digits as 2 halves (32 pixels each) of 0-255 (what a uint8 image
+    holds), not rescaled, as users feed them: the projection starts past
+    256 on every image."""
+    batches, (x, y) = _digit_classes(seed, train)
+    image = lambda a: (a * 255 / 16).reshape(-1, 2, 32)
+    return [(image(a), b) for a, b in batches], (image(x), y)
+
+
+VARIANCE_NORM = Case(
+    name="variance_norm",
+    build=_variance_norm_build,
+    data=_digit_images,
+    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    metric=_accuracy,
+    optimizer=lambda: keras.optimizers.Adam(3e-3),
+    epochs=3,
+)
+
+# Rebuilt from public reports; `benchmarks/failures.py` runs them, the slow
+# suite (which iterates `CASES`) does not.
+REPORTED = {c.name: c for c in (NOISY_OR, EXP_LOSS, VARIANCE_NORM)}
+
+
 # -- running ------------------------------------------------------------
 
 
