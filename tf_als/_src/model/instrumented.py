@@ -265,12 +265,10 @@ class InstrumentedModel(saving.Saving, _keras.CheckpointOnly, keras.Model):
         decode loop's: with no gradient to scale, its points would cost
         time and change nothing) and a model with no points (it computes
         nothing in float16)."""
-        if plain.active():  # tf_als's own check: nothing to note.
+        checking = plain.active()  # tf_als's own check: nothing to note.
+        if checking or not self._point_records or _keras.eager_and_unrecorded():
             outputs = self._tf_als_original(*args, **kwargs)
-            return self._for_the_loss(outputs, kwargs.get("training"), note=False)
-        if not self._point_records or _keras.eager_and_unrecorded():
-            outputs = self._tf_als_original(*args, **kwargs)
-            return self._for_the_loss(outputs, kwargs.get("training"))
+            return self._for_the_loss(outputs, kwargs.get("training"), note=not checking)
         back = backward.Backward(
             self._plan,
             self.scaling_state,
