@@ -11,14 +11,19 @@ statistics, seeds, and weights a layer assigns in its own `call`, as
 would:
 
 1. **Forward.** The batch runs once in the model's precision; then every
-   leaf layer with weights that computes in float16 runs again in float32
-   on the very inputs it received (a Keras layer whose float16 output is
-   finite is not: Keras accumulates and takes statistics in float32). It
-   fails when its float16 output is not finite while float32's is, or
+   leaf layer that computes in float16 runs again in float32 on the very
+   inputs it received (a Keras layer whose float16 output is finite is
+   not: Keras accumulates and takes statistics in float32; nor is a
+   weightless layer that draws at random with a finite output, whose
+   re-run would draw anew). It fails when its float16 output is not finite
+   while float32's is (a hand-written log-softmax's `exp` past 11.09), or
    strays from float32's by more than `RELATIVE_ERROR` of float32's
    largest magnitude (a hand-written
    normalisation whose float16 count overflowed reads a mean and variance
-   of 0: finite, and wrong). A model output computed in float16 fails when
+   of 0: finite, and wrong). When no leaf fails, a composite layer (one
+   with sublayers, below the model) is re-run the same way, its sublayers
+   in float32 too: it fails in its own code between its sublayers. A
+   model output computed in float16 fails when
    its targets reach float16's maximum over `TARGET_FACTOR`: it has to reach
    them.
 2. **Backward.** The loss's gradients at a global scale of 1. When they
@@ -282,7 +287,7 @@ def _forward_failures(forward, loss_fn) -> list:
     failures = []
     with nonfinite.preserved(forward.model.variables):
         for layer, arguments, outputs in forward.own_calls:
-            if _checked(layer):
+            if _checked(layer, outputs):
                 reason = _stray(layer, arguments, outputs)
                 if reason is not None:
                     failures.append(Failure(nonfinite.layer_path(layer), reason))
@@ -342,38 +347,54 @@ def _loss_overflows(forward, loss_fn) -> list:
 
 
 def _composite_failures(forward) -> list:
-    """The composite layers (below the model) whose float16 output is not
-    finite while their inputs are and their float32 re-run, sublayers
-    included, is: the failure is in the composite's own code between its
-    sublayers (GPT-2's attention masked with 1e10, inf in float16), since
-    no sublayer failed. Innermost first; a composite that holds a failing
-    one is not blamed again. Only non-finite outputs count: a finite
-    composite's re-run could differ by its sublayers' random draws (a
-    dropout inside), which a leaf layer with weights does not make."""
+    """The composite layers (below the model) whose float16 output fails
+    against their float32 re-run, sublayers included, while their inputs
+    are finite (`_stray`): the failure is in the composite's own code
+    between its sublayers, since no sublayer failed. GPT-2's attention
+    masked with 1e10 (inf in float16) is not finite; a normalisation
+    written in a composite's `call` whose float16 variance overflowed
+    reads 0 and strays. Innermost first; a composite that holds a failing
+    one is not blamed again. A finite output counts only where nothing in
+    the composite draws at random (`_keras.draws_random`: a dropout inside
+    would draw anew in the re-run) and the composite is not Keras's or
+    KerasHub's (`_stray`)."""
     failed = []
     for layer, arguments, outputs in forward.own_calls:
         if (
             layer is forward.model
             or layer.compute_dtype != "float16"
             or not _keras.sublayers(layer, recursive=False)
-            or nonfinite.all_finite(outputs)
+            or (nonfinite.all_finite(outputs) and _keras.draws_random(layer))
         ):
             continue
         inner = {id(l) for l in _keras.sublayers(layer, recursive=True)}
-        if any(id(f) in inner for f in failed):
+        if any(id(f) in inner for f, _ in failed):
             continue
-        if _stray(layer, arguments, outputs, promote.layers_of(layer)) is not None:
-            failed.append(layer)
-    return [Failure(nonfinite.layer_path(l), promote.COMPOSITE) for l in failed]
+        reason = _stray(layer, arguments, outputs, promote.layers_of(layer))
+        if reason is not None:
+            failed.append((layer, reason))
+    return [
+        Failure(nonfinite.layer_path(l), _in_own_code(reason)) for l, reason in failed
+    ]
 
 
-def _checked(layer) -> bool:
-    """A leaf layer with weights that computes in float16."""
-    return (
-        bool(layer.weights)
-        and not _keras.sublayers(layer, recursive=False)
-        and layer.compute_dtype == "float16"
-    )
+def _in_own_code(reason) -> str:
+    """A composite's reason: `promote.COMPOSITE` for a non-finite output,
+    else the stray's, said to come from its own code."""
+    if reason == promote.FORWARD:
+        return promote.COMPOSITE
+    return f"{reason}, from its own code between its sublayers"
+
+
+def _checked(layer, outputs) -> bool:
+    """A leaf layer that computes in float16: one with weights; one
+    without, unless its output is finite and it draws at random (its
+    re-run would not draw the same)."""
+    if _keras.sublayers(layer, recursive=False) or layer.compute_dtype != "float16":
+        return False
+    if layer.weights or not nonfinite.all_finite(outputs):
+        return True
+    return not _keras.draws_random(layer)
 
 
 def _stray(layer, arguments, outputs, switched=None) -> Optional[str]:

@@ -218,9 +218,10 @@ def advice(model: keras.Model, path: str, promoting: bool = True) -> str:
     the user turned `promote_on_storm` off)."""
     layer = layer_at(model, path)
     if layer is None or not _keras.sublayers(layer, recursive=False):
+        weights = "its weights are float32 already; " if layer is None or layer.weights else ""
         return (
-            f"Give layer {path!r} dtype='float32' where it is built (its "
-            "weights are float32 already; Keras casts its inputs and outputs)"
+            f"Give layer {path!r} dtype='float32' where it is built ({weights}"
+            "Keras casts its inputs and outputs)"
             + (
                 ", or train with tf_als, whose first-batch check does this "
                 "for you." if promoting else "."

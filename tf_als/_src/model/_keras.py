@@ -191,6 +191,16 @@ def sublayers(layer, recursive: bool) -> list:
     return layer._flatten_layers(include_self=False, recursive=recursive)
 
 
+def draws_random(layer) -> bool:
+    """Whether `layer` or a layer inside it holds a `SeedGenerator` (a
+    `Dropout`, `GaussianNoise`, a layer of the user's that draws with
+    its own seed): two calls on the same inputs may then differ. Keras
+    3.15 `Layer._seed_generators`, which its tracker fills on assignment;
+    public: none."""
+    every = [layer] + sublayers(layer, recursive=True)
+    return any(getattr(each, "_seed_generators", None) for each in every)
+
+
 def serving_specs(model) -> list:
     """The `tf.TensorSpec`s (batch dimension None) of the positional
     arguments `model.export` serves, as Keras derives them: from the inputs
