@@ -57,6 +57,7 @@ import tensorflow as tf
 from tf_als._src.model import _keras
 from tf_als._src.failures import backward_search
 from tf_als._src.failures import nonfinite
+from tf_als._src.failures import placement
 from tf_als._src.failures import promote
 from tf_als._src.scaling import rule
 
@@ -179,7 +180,9 @@ def check(
     top = math.floor(math.log2(scale))
     while True:
         forward = backward_search.Forward(model.uninstrumented(), batch, loss_fn, training)
-        failures, at_top = _failures(forward, loss_fn, 2.0**top)
+        failures, at_top, unplaced = _failures(forward, loss_fn, 2.0**top)
+        if unplaced is not None:
+            return Outcome(tuple(made), None, unplaced)
         again = [f for f in failures if f.layer in previous]
         if again:
             return _taken_back(model, made, previous, again[0])
@@ -215,7 +218,9 @@ def failing_layers(
     with contextlib.ExitStack() as switched:
         for _ in range(promote.MAX_FAILURES):
             forward = backward_search.Forward(model, batch, loss_fn, training)
-            failures = _failures(forward, loss_fn, top)[0]
+            failures, _, unplaced = _failures(forward, loss_fn, top)
+            if unplaced is not None:
+                break
             failures = [f for f in failures if f.layer not in {g.layer for g in found}]
             layers = [promote.layer_at(model, f.layer) for f in failures]
             if not failures or None in layers:
@@ -244,15 +249,23 @@ def batch_mean_loss(loss: Callable) -> Callable:
 
 
 def _failures(forward, loss_fn, top) -> tuple:
-    """(the `Failure`s of the batch's forward and backward passes, the
-    backward finding at the scale `top` or None). Finite at `top`, the
-    backward pass is finite below it too (a smaller scale can only
-    underflow), so nothing fails backward."""
-    failures = _forward_failures(forward, loss_fn)
-    if failures or loss_fn is None:
-        return failures, None
-    at_top = forward.at(top)
-    return (backward_failures(forward) if at_top is not None else []), at_top
+    """(the `Failure`s of the batch's forward and backward passes, each
+    moved to the layer that can be promoted for it (`placement`), the
+    backward finding at the scale `top` or None, why a failure cannot be
+    promoted or None). Finite at `top`, the backward pass is finite below
+    it too (a smaller scale can only underflow), so nothing fails
+    backward."""
+    failures, at_top = _forward_failures(forward, loss_fn), None
+    if not failures and loss_fn is not None:
+        at_top = forward.at(top)
+        failures = backward_failures(forward) if at_top is not None else []
+    placed = []
+    for failure in failures:
+        moved, why = placement.placed(forward, failure)
+        if why is not None:
+            return [], at_top, why
+        placed.append(moved)
+    return _unique(placed), at_top, None
 
 
 def _taken_back(model, made, previous, finding) -> Outcome:

@@ -1,0 +1,120 @@
+"""A failing layer whose float32 output the code that calls it cannot
+take: GPT-2's 1e10 attention mask inside a KerasHub-style block
+(`failure_cases.DecoderBlock`, whose `call` adds the attention's output
+to its float16 residual with TensorFlow's `+`). The block is promoted as
+a whole, as an expert gives the block `dtype="float32"`; in a Functional
+model the attention alone is, since Keras's ops promote between layers
+(test_composite_failures). Where only the model's own code could take the
+output, the check says so and promotes nothing."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_als
+from tf_als._src.failures import preflight
+from tf_als._src.failures import promote
+from tests import failure_cases
+
+pytestmark = pytest.mark.usefixtures("mixed")
+layers = keras.layers
+
+
+def _case(name):
+    case = failure_cases.REPORTED[name]
+    keras.utils.set_random_seed(0)
+    model = case.build(False)
+    keras.mixed_precision.set_global_policy("float32")
+    try:
+        keras.utils.set_random_seed(0)
+        reference = case.build(False)
+    finally:
+        keras.mixed_precision.set_global_policy("mixed_float16")
+    reference.set_weights(model.get_weights())
+    batches, _ = case.data(0)
+    return model, reference, batches, preflight.batch_mean_loss(case.loss)
+
+
+def test_the_attention_alone_in_float32_breaks_the_block():
+    """Guards the tests below: the attention's float32 output meets the
+    block's float16 residual in TensorFlow's `+`."""
+    model, _, batches, _ = _case("gpt2_mask_block")
+    attention = model.get_layer("block_0").attn
+    for layer in promote.layers_of(attention):  # Its sublayers too.
+        layer.dtype_policy = keras.DTypePolicy("float32")
+    with pytest.raises(tf.errors.InvalidArgumentError, match="half"):
+        model(batches[0][0])
+
+
+@pytest.mark.parametrize(
+    "name, prefix", [("gpt2_mask_block", ""), ("gpt2_mask_subclassed", "character_gpt/")]
+)
+def test_the_block_is_promoted_whole_and_matches_float32(name, prefix):
+    """Both blocks are promoted, each for its attention, every layer inside
+    them computes in float32, and the outputs agree with the float32
+    twin's to 2**-6 of their largest magnitude (the embeddings and the
+    final norm still compute in float16)."""
+    plain, reference, batches, loss_fn = _case(name)
+    model = tf_als.instrument(plain)
+    x, y = batches[0]
+    outcome = preflight.check(model, (x, y, None), loss_fn, scale=2.0**15, step=0)
+    assert [p.layer for p in outcome.promotions] == [f"{prefix}block_0", f"{prefix}block_1"]
+    assert f"in '{prefix}block_0/attn'" in outcome.promotions[0].reason
+    assert outcome.stopped is None
+    for i in range(2):
+        block = promote.layer_at(plain, f"{prefix}block_{i}")
+        assert {l.compute_dtype for l in promote.layers_of(block)} == {"float32"}
+    got, want = np.asarray(model(x), "float32"), np.asarray(reference(x))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, atol=2.0**-6 * np.abs(want).max())
+
+
+def test_fit_promotes_the_blocks_at_step_zero_and_diagnose_agrees():
+    plain, _, batches, loss_fn = _case("gpt2_mask_block")
+    x = np.concatenate([b[0] for b in batches[:6]])
+    y = np.concatenate([b[1] for b in batches[:6]])
+    loss = failure_cases.REPORTED["gpt2_mask_block"].loss
+    report = tf_als.diagnose(plain, x[:8], y[:8], loss=loss, verbose=False)
+    model = tf_als.instrument(plain)
+    optimizer = tf_als.AdaptiveLossScaleOptimizer(keras.optimizers.Adam(3e-3))
+    model.compile(optimizer=optimizer, loss=loss)
+    with pytest.warns(UserWarning, match="promoted layer 'block_0'"):
+        history = model.fit(x, y, batch_size=8, verbose=0)
+    promoted = [(p.layer, p.step) for p in tf_als.promoted(model)]
+    assert promoted == [("block_0", 0), ("block_1", 0)]
+    assert [layer for layer, _ in report.float16_failures] == ["block_0", "block_1"]
+    assert int(optimizer.iterations.numpy()) == 6
+    assert np.isfinite(history.history["loss"][-1])
+
+
+class _MaskedInCall(keras.Model):
+    """A subclassed model whose own `call` adds the attention's output to
+    its float16 residual: only the model could take it in float32."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.wte = layers.Embedding(16, 32, name="wte")
+        self.attn = failure_cases.CausalSelfAttention(32, 2, 1e10, name="attn")
+        self.head = layers.Dense(16, dtype="float32", name="head")
+
+    def call(self, tokens):
+        x = self.wte(tokens)
+        return self.head(x + self.attn(x))
+
+
+def test_a_failure_only_the_model_could_take_is_left_with_the_reason():
+    keras.utils.set_random_seed(0)
+    plain = _MaskedInCall()
+    batches, _ = failure_cases._characters(0)
+    x, y = batches[0]
+    plain(x)
+    model = tf_als.instrument(plain)
+    loss_fn = preflight.batch_mean_loss(
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    outcome = preflight.check(model, (x, y, None), loss_fn, scale=2.0**15, step=0)
+    assert outcome.promotions == ()
+    assert "cannot be promoted alone" in outcome.stopped
+    assert "_masked_in_call/attn'" in outcome.stopped
+    assert {l.compute_dtype for l in promote.layers_of(plain.attn)} == {"float16"}
