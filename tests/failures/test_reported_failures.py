@@ -186,3 +186,29 @@ def test_fit_promotes_at_step_zero_and_skips_nothing():
     assert [(p.layer, p.step) for p in tf_als.promoted(model)] == [("project_norm", 0)]
     assert int(optimizer.iterations.numpy()) == 6
     assert np.isfinite(history.history["loss"][-1])
+
+
+def test_a_layer_that_starts_to_overflow_mid_run_costs_two_skipped_steps():
+    """The log-softmax is healthy on the first batches (inputs scaled
+    down 4 times: logits below 4) and overflows from batch 4 on (scaled up
+    1.5 times: logits 14.5-17, past `exp`'s 11.09 in float16, far from
+    float32's 88.7). Two skips in a row, the first with a loss that is
+    not finite, run the check, which promotes it: two steps skipped, as
+    the manual fix skips a few, where halving S below 1 took 15 (exp_loss,
+    seed 2, before)."""
+    plain, _, _, _ = _case("exp_loss")
+    batches, _ = failure_cases.REPORTED["exp_loss"].data(0)
+    x = np.concatenate([b[0] for b in batches[:8]])
+    y = np.concatenate([b[1] for b in batches[:8]])
+    x[: 4 * 16] *= 0.25
+    x[4 * 16 :] *= 1.5
+    inputs = tf.constant(x[:16])
+    assert np.isfinite(np.asarray(plain(inputs))).all()
+    model = tf_als.instrument(plain)
+    optimizer = tf_als.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(1e-4))
+    model.compile(optimizer=optimizer, loss=failure_cases.REPORTED["exp_loss"].loss)
+    with pytest.warns(UserWarning, match="promoted layer 'log_softmax' to float32 at step 4"):
+        model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    assert [p.layer for p in tf_als.promoted(model)] == ["log_softmax"]
+    assert int(optimizer.iterations.numpy()) == 6  # 8 batches, 2 skipped.
+    assert np.isfinite(np.asarray(model(tf.constant(x[-16:])))).all()

@@ -14,7 +14,12 @@ and acts, in this order:
    naming the layer whose gradient was first non-finite.
 3. **Frequent skips.** As many skipped steps within twice that many, not
    in a row: promote, or warn once.
-4. **Below one.** A skip took S below 1 (usually a float16 model output
+4. **A loss that is not finite.** Two skips in a row, the first with a
+   loss that was not finite (the forward pass overflowed, which no loss
+   scale helps): promote then, quietly when no layer fails, so that a
+   layer that starts to overflow mid-run costs two skipped steps, as the
+   expert's fix costs a few, not the dozen it takes S to halve below 1.
+5. **Below one.** A skip took S below 1 (usually a float16 model output
    that cannot carry the loss's gradient): promote quietly when a layer
    fails, looking again only once S has fallen another 2**4.
 
@@ -56,6 +61,8 @@ class Recovery:
         preflown: the first batch was checked (`preflight`).
         looked_below: the global scale at which a scale below 1 was last
             looked into (inf: not yet).
+        looked_at_loss: the current streak of skips, which began with a
+            loss that was not finite, was looked into.
         gave_up_on_window: frequent skips were warned of, once.
         warned_plain: gradients of no instrumented model were warned of.
         warned_unchecked: a first step without the check was warned of.
@@ -65,6 +72,7 @@ class Recovery:
         self.loop_checks = False
         self.preflown = False
         self.looked_below = float("inf")
+        self.looked_at_loss = False
         self.gave_up_on_window = False
         self.warned_plain = False
         self.warned_unchecked = False
@@ -83,6 +91,7 @@ class Recovery:
         if first:
             return first
         if not skips.skipped_lately(optimizer):
+            self.looked_at_loss = False
             return []  # No streak, no frequent skips, no skip below 1.
         streak = skips.streak(optimizer)
         if skips.stops(optimizer):
@@ -95,7 +104,8 @@ class Recovery:
             raise storm.NonFiniteStormError(message)
         if skips.frequent(optimizer) and not self.gave_up_on_window:
             return self._promote_on_frequent_skips(optimizer, batches, loss)
-        return self._promote_below_one(optimizer, streak, batches, loss)
+        made = self._promote_on_non_finite_loss(optimizer, streak, batches, loss)
+        return made or self._promote_below_one(optimizer, streak, batches, loss)
 
     def preflight(self, optimizer, model, batches, loss=None, limit=1, first=True) -> tuple:
         """`optimizer.preflight` (built): (promotions, why none or None)."""
@@ -171,6 +181,24 @@ class Recovery:
         )
         return []
 
+    def _promote_on_non_finite_loss(self, optimizer, streak, batches, loss) -> list:
+        """A streak of two skipped steps began with a step whose loss
+        itself was not finite: the forward pass overflowed (a hand-written
+        `exp` past 11.09), which halving S cannot help. Looks then, once per
+        streak, the latest batches first, and promotes; says nothing when
+        no layer fails (a batch of bad data: the storm, if one follows,
+        says so). A single skip is left alone: a one-off overflow costs
+        one step, as with Keras's, and no layer's float16."""
+        if streak == 0:
+            self.looked_at_loss = False
+        if streak < 2 or self.looked_at_loss or batches is None:
+            return []
+        if int(keras.ops.convert_to_numpy(optimizer.first_non_finite)[2]) != 0:
+            return []
+        self.looked_at_loss = True
+        made, _ = self._promote(optimizer, batches, loss, explain=False)
+        return list(made)
+
     def _promote_below_one(self, optimizer, streak, batches, loss) -> list:
         """A skip took the global scale below 1: every gradient of the model
         is now shrunk to serve one, usually a float16 model output that
@@ -188,10 +216,11 @@ class Recovery:
         made, _ = self._promote(optimizer, batches, loss)
         return list(made)
 
-    def _promote(self, optimizer, batches, loss) -> tuple:
+    def _promote(self, optimizer, batches, loss, explain=True) -> tuple:
         """(promotions made, why none or not enough) for the skips now:
         `preflight` on up to `STORM_BATCHES` of `batches`, and the global
-        scale re-calibrated on them."""
+        scale re-calibrated on them. `explain`: when nothing was found,
+        run the batches in float32 to say whether the data are to blame."""
         models = optimizer.applied_models()
         if not optimizer.promote_on_storm or not models:
             return (), None
@@ -214,7 +243,7 @@ class Recovery:
         made, why = self.preflight(
             optimizer, models[0], batches, loss, limit=STORM_BATCHES, first=False
         )
-        if not made and why is None:
+        if not made and why is None and explain:
             why = _nothing_found(models[0], batches, loss)
         if why is not None and made:
             promoted = ", ".join(repr(p.layer) for p in promote_module.promoted(models[0]))
