@@ -118,3 +118,58 @@ def test_a_failure_only_the_model_could_take_is_left_with_the_reason():
     assert "cannot be promoted alone" in outcome.stopped
     assert "_masked_in_call/attn'" in outcome.stopped
     assert {l.compute_dtype for l in promote.layers_of(plain.attn)} == {"float16"}
+
+
+class _AdvisedAttention(failure_cases.CausalSelfAttention):
+    """The attention as the advice has it written: its `__init__` with
+    each sublayer made with dtype=self.dtype_policy (the code is the
+    case's, `call` and all)."""
+
+    def __init__(self, width, heads, mask_value, **kwargs):
+        layers.Layer.__init__(self, **kwargs)
+        self.width, self.heads, self.mask_value = width, heads, mask_value
+        self.c_attn = layers.Dense(3 * width, name="c_attn", dtype=self.dtype_policy)
+        self.c_proj = layers.Dense(width, name="c_proj", dtype=self.dtype_policy)
+
+
+class _AdvisedBlock(failure_cases.DecoderBlock):
+    """The block with `diagnose`'s advice applied as written: every
+    sublayer made with dtype=self.dtype_policy, inside the attention too."""
+
+    def __init__(self, width, mask_value, **kwargs):
+        layers.Layer.__init__(self, **kwargs)
+        self.width, self.mask_value = width, mask_value
+        policy = self.dtype_policy
+        self.ln_1 = layers.LayerNormalization(name="ln_1", dtype=policy)
+        self.attn = _AdvisedAttention(width, 2, mask_value, name="attn", dtype=policy)
+        self.ln_2 = layers.LayerNormalization(name="ln_2", dtype=policy)
+        self.c_fc = layers.Dense(2 * width, activation="gelu", name="c_fc", dtype=policy)
+        self.mlp_proj = layers.Dense(width, name="mlp_proj", dtype=policy)
+
+
+def test_the_advice_for_the_block_reaches_inside_its_attention_and_works():
+    """The advice names the block's sublayers and says the attention has
+    sublayers of its own; applied as written (the blocks given
+    dtype='float32'), the float16 model agrees with float32's."""
+    plain, reference, batches, _ = _case("gpt2_mask_block")
+    x, y = batches[0]
+    loss = failure_cases.REPORTED["gpt2_mask_block"].loss
+    report = tf_als.diagnose(plain, x, y, loss=loss, verbose=False)
+    advice = report.failure_advice[0]
+    assert "dtype=self.dtype_policy in its __init__ (and so inside 'attn', which has" in advice
+    assert "give 'block_0' dtype='float32'" in advice
+    keras.utils.set_random_seed(0)  # The case's seed: its position table
+    tokens = keras.Input((24,), dtype="int32")  # is a constant, not a weight.
+    h = layers.Embedding(16, 32, name="wte")(tokens)
+    h = h + layers.Embedding(24, 32, name="wpe")(keras.ops.arange(24))
+    for i in range(2):
+        h = _AdvisedBlock(32, 1e10, name=f"block_{i}", dtype="float32")(h)
+    h = layers.LayerNormalization(name="ln_f")(h)
+    advised = keras.Model(tokens, layers.Dense(16, dtype="float32", name="lm_head")(h))
+    advised.set_weights(plain.get_weights())
+    assert {l.compute_dtype for l in promote.layers_of(advised.get_layer("block_0"))} == {
+        "float32"
+    }
+    got, want = np.asarray(advised(x), "float32"), np.asarray(reference(x))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, atol=2.0**-6 * np.abs(want).max())

@@ -227,13 +227,25 @@ def advice(model: keras.Model, path: str, promoting: bool = True) -> str:
                 "for you." if promoting else "."
             )
         )
-    inner = ", ".join(repr(l.name) for l in _keras.sublayers(layer, recursive=False))
+    direct = _keras.sublayers(layer, recursive=False)
+    inner = ", ".join(repr(l.name) for l in direct)
+    # Keras's and KerasHub's own composites pass their policy on already.
+    nested = [
+        l.name for l in direct
+        if _keras.sublayers(l, recursive=False)
+        and type(l).__module__.split(".")[0] not in ("keras", "keras_hub")
+    ]
+    deeper = (
+        " (and so inside " + ", ".join(repr(n) for n in nested) + ", which "
+        + ("has sublayers of its own" if len(nested) == 1 else "have sublayers of their own")
+        + ")"
+    ) if nested else ""
     return (
         f"Layer {path!r} is made of sublayers ({inner}), and in Keras 3 a "
         "layer's dtype does not reach the sublayers its __init__ makes: "
         "dtype='float32' on it alone leaves them in float16. Make each "
-        "sublayer with dtype=self.dtype_policy in its __init__ (as KerasHub's "
-        f"layers do) and give {path!r} dtype='float32'"
+        f"sublayer with dtype=self.dtype_policy in its __init__{deeper} (as "
+        f"KerasHub's layers do) and give {path!r} dtype='float32'"
         + (
             "; or train with tf_als, whose first-batch check promotes the "
             "layer with its sublayers." if promoting else "."
