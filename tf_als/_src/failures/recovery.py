@@ -14,8 +14,8 @@ and acts, in this order:
    naming the layer whose gradient was first non-finite.
 3. **Frequent skips.** As many skipped steps within twice that many, not
    in a row: promote, or warn once.
-4. **A loss that is not finite.** Two skips in a row, the first with a
-   loss that was not finite (the forward pass overflowed, which no loss
+4. **A loss that is not finite.** Two skips in a row, the first or the
+   latest with a loss that was not finite (the forward pass overflowed, which no loss
    scale helps): promote then, quietly when no layer fails, so that a
    layer that starts to overflow mid-run costs two skipped steps, as the
    expert's fix costs a few, not the dozen it takes S to halve below 1.
@@ -182,9 +182,11 @@ class Recovery:
         return []
 
     def _promote_on_non_finite_loss(self, optimizer, streak, batches, loss) -> list:
-        """A streak of two skipped steps began with a step whose loss
-        itself was not finite: the forward pass overflowed (a hand-written
-        `exp` past 11.09), which halving S cannot help. Looks then, once per
+        """Two or more skipped steps in a row, the first or the latest
+        with a loss that was not finite: the forward pass overflowed (a
+        hand-written `exp` past 11.09), which halving S cannot help (a
+        backward overflow may come first, as the values grow towards the
+        limit). Looks then, once per
         streak, the latest batches first, and promotes; says nothing when
         no layer fails (a batch of bad data: the storm, if one follows,
         says so). A single skip is left alone: a one-off overflow costs
@@ -193,7 +195,8 @@ class Recovery:
             self.looked_at_loss = False
         if streak < 2 or self.looked_at_loss or batches is None:
             return []
-        if int(keras.ops.convert_to_numpy(optimizer.first_non_finite)[2]) != 0:
+        first = int(keras.ops.convert_to_numpy(optimizer.first_non_finite)[2])
+        if first != 0 and int(keras.ops.convert_to_numpy(optimizer.loss_finite)) != 0:
             return []
         self.looked_at_loss = True
         made, _ = self._promote(optimizer, batches, loss, explain=False)
