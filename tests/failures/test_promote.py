@@ -195,8 +195,8 @@ def test_fit_promotes_the_layer_before_the_first_step_and_trains_like_float32(ji
 def test_a_storm_later_in_the_run_promotes_and_recalibrates_the_scale():
     """`hot` is healthy at the first batch (the preflight promotes nothing),
     overflows once at batch 1 (one skip: the global scale halves to 2**14)
-    and for good from batch 9: two skips in a row, the first with a loss
-    that is not finite, then the check promotes `hot` at step 8 (the steps
+    and for good from batch 9, whose skip is the second with a loss that
+    is not finite: the check promotes `hot` then, at step 8 (the steps
     applied before it; SKIPS skips, a storm, before that check) and re-calibrates
     the global scale on the training batches: the largest power of two
     <= 2**15 at which all of them have finite gradients (2**15), not the
@@ -226,7 +226,7 @@ def test_a_storm_later_in_the_run_promotes_and_recalibrates_the_scale():
     assert tf_als.promoted(model) == [
         promote.Promotion(layer="hot", reason=promote.FORWARD, step=8)
     ]
-    assert int(model.optimizer.iterations.numpy()) == 4 * epochs - 1 - 2
+    assert int(model.optimizer.iterations.numpy()) == 4 * epochs - 2  # Batches 1, 9.
     before_the_storm = schedule.scales[9]
     assert before_the_storm == 2.0**14
     ((scale, recalibrated),) = schedule.after_promotion

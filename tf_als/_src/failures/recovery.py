@@ -14,9 +14,9 @@ and acts, in this order:
    naming the layer whose gradient was first non-finite.
 3. **Frequent skips.** As many skipped steps within twice that many, not
    in a row: promote, or warn once.
-4. **A loss that is not finite.** Two skips in a row, the first or the
-   latest with a loss that was not finite (the forward pass overflowed, which no loss
-   scale helps): promote then, quietly when no layer fails, so that a
+4. **A loss that is not finite.** The second skipped step whose loss was
+   not finite (the forward pass overflowed, which no loss scale helps),
+   in a row or not: promote then, quietly when no layer fails, so that a
    layer that starts to overflow mid-run costs two skipped steps, as the
    expert's fix costs a few, not the dozen it takes S to halve below 1.
 5. **Below one.** A skip took S below 1 (usually a float16 model output
@@ -61,8 +61,10 @@ class Recovery:
         preflown: the first batch was checked (`preflight`).
         looked_below: the global scale at which a scale below 1 was last
             looked into (inf: not yet).
-        looked_at_loss: the current streak of skips, which began with a
-            loss that was not finite, was looked into.
+        seen_skips: the skipped steps of the current window at the last
+            check.
+        loss_skips, loss_skips_to_look: skipped steps with a loss that was
+            not finite since the last look, and how many make the next.
         gave_up_on_window: frequent skips were warned of, once.
         warned_plain: gradients of no instrumented model were warned of.
         warned_unchecked: a first step without the check was warned of.
@@ -72,7 +74,9 @@ class Recovery:
         self.loop_checks = False
         self.preflown = False
         self.looked_below = float("inf")
-        self.looked_at_loss = False
+        self.seen_skips = 0
+        self.loss_skips = 0
+        self.loss_skips_to_look = 2
         self.gave_up_on_window = False
         self.warned_plain = False
         self.warned_unchecked = False
@@ -91,7 +95,7 @@ class Recovery:
         if first:
             return first
         if not skips.skipped_lately(optimizer):
-            self.looked_at_loss = False
+            self.seen_skips = 0
             return []  # No streak, no frequent skips, no skip below 1.
         streak = skips.streak(optimizer)
         if skips.stops(optimizer):
@@ -104,7 +108,7 @@ class Recovery:
             raise storm.NonFiniteStormError(message)
         if skips.frequent(optimizer) and not self.gave_up_on_window:
             return self._promote_on_frequent_skips(optimizer, batches, loss)
-        made = self._promote_on_non_finite_loss(optimizer, streak, batches, loss)
+        made = self._promote_on_non_finite_loss(optimizer, batches, loss)
         return made or self._promote_below_one(optimizer, streak, batches, loss)
 
     def preflight(self, optimizer, model, batches, loss=None, limit=1, first=True) -> tuple:
@@ -145,6 +149,7 @@ class Recovery:
         optimizer.dynamic_scale.assign(max(scale, rule.MIN_SCALE))
         optimizer.step_counter.assign(0)
         skips.reset(optimizer)
+        self.seen_skips = self.loss_skips = 0
         self.looked_below = float("inf")
         handoff.schedule(optimizer, model)
 
@@ -181,25 +186,29 @@ class Recovery:
         )
         return []
 
-    def _promote_on_non_finite_loss(self, optimizer, streak, batches, loss) -> list:
-        """Two or more skipped steps in a row, the first or the latest
-        with a loss that was not finite: the forward pass overflowed (a
-        hand-written `exp` past 11.09), which halving S cannot help (a
-        backward overflow may come first, as the values grow towards the
-        limit). Looks then, once per
-        streak, the latest batches first, and promotes; says nothing when
-        no layer fails (a batch of bad data: the storm, if one follows,
-        says so). A single skip is left alone: a one-off overflow costs
-        one step, as with Keras's, and no layer's float16."""
-        if streak == 0:
-            self.looked_at_loss = False
-        if streak < 2 or self.looked_at_loss or batches is None:
+    def _promote_on_non_finite_loss(self, optimizer, batches, loss) -> list:
+        """Skipped steps whose loss itself was not finite: the forward
+        pass overflowed (a hand-written `exp` past 11.09), which halving S
+        cannot help, in a row or not (a layer that overflows on some
+        batches only). At the second such skip, looks, the latest batches
+        first, and promotes; says nothing when no layer fails (batches of
+        bad data: the storm, if one follows, says so), and then waits for
+        twice as many before it looks again. A single skip is left alone:
+        a one-off overflow costs one step, as with Keras's."""
+        skipped = skips.window(optimizer)[0]
+        new = skipped > self.seen_skips or (skipped < self.seen_skips and skipped > 0)
+        self.seen_skips = skipped
+        if not new or batches is None:
             return []
-        first = int(keras.ops.convert_to_numpy(optimizer.first_non_finite)[2])
-        if first != 0 and int(keras.ops.convert_to_numpy(optimizer.loss_finite)) != 0:
+        if int(keras.ops.convert_to_numpy(optimizer.loss_finite)) != 0:
             return []
-        self.looked_at_loss = True
+        self.loss_skips += 1
+        if self.loss_skips < self.loss_skips_to_look:
+            return []
+        self.loss_skips = 0
         made, _ = self._promote(optimizer, batches, loss, explain=False)
+        if not made:
+            self.loss_skips_to_look *= 2
         return list(made)
 
     def _promote_below_one(self, optimizer, streak, batches, loss) -> list:
