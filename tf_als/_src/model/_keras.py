@@ -44,23 +44,57 @@ def copy_mask(source, target) -> None:
         set_mask(target, mask)
 
 
+# A nested model called with `training=None` recorded, which Keras 3.16
+# hands on to the layers inside it as None, not as the enclosing call's flag.
+RECORDED_NONE = "recorded training=None"
+
+
 def operation_fn(operation, training):
-    """The callable `Functional.call` runs a node's operation with (the
-    `training` flag of the call filled in). Keras 3.15
-    `keras.src.models.functional.operation_fn`. Keras 3.16 removed it
-    along with the rule it applied (the call's flag over a node's recorded
-    one, keras-team/keras#23364): until tf_als reads that rule from Keras,
-    it refuses to run there rather than run a nested model in the wrong
-    mode."""
-    if not hasattr(_functional, "operation_fn"):
-        raise RuntimeError(
-            f"tf_als runs a Functional model's layers as Keras 3.15 does; "
-            f"Keras {keras.__version__} treats a nested call's `training` "
-            "flag differently (keras-team/keras#23364), which tf_als does "
-            "not follow yet. Install a Keras it supports: "
-            "`pip install 'keras>=3.15,<3.16'`."
+    """The callable `Functional.call` runs a node's operation with, given
+    `training`, the flag of the enclosing call. Keras 3.15:
+    `keras.src.models.functional.operation_fn`, which sets the flag over
+    the one the node recorded. Keras 3.16 (keras-team/keras#23364) has no
+    such function: it runs a node with what it recorded and lets
+    `Layer.__call__` take the enclosing call's flag where the node
+    recorded no `training` at all (`Layer._call_context_args`; a recorded
+    `training=None` keeps None there), as done here."""
+    if hasattr(_functional, "operation_fn"):  # Keras 3.15
+        return _functional.operation_fn(operation, training=training)
+
+    def call(*args, **kwargs):  # Keras 3.16
+        takes = "training" in getattr(operation, "_call_context_args", ())
+        if takes and training is not None and "training" not in kwargs:
+            kwargs["training"] = None if training is RECORDED_NONE else training
+        return operation(*args, **kwargs)
+
+    return call
+
+
+@functools.lru_cache(maxsize=None)
+def recorded_training_wins() -> bool:
+    """Whether a nested model called `base(x, training=False)` inside a
+    Functional model keeps its recorded flag when the outer model is
+    called with `training=True` (Keras 3.16, keras-team/keras#23364, as
+    Keras 2), rather than taking the outer call's (Keras 3.15,
+    keras-team/keras#20285). Read once from Keras by running that very
+    case on two tiny models of one weightless layer (explicit names: no
+    layer name the user's models would get is taken)."""
+
+    class Flag(keras.layers.Layer):
+        def call(self, x, training=None):
+            return x * 0.0 + (1.0 if training else 0.0)
+
+    with tf.init_scope():
+        inner_in = keras.Input((1,), name="tf_als_flag_inner_input")
+        inner = keras.Model(
+            inner_in, Flag(name="tf_als_flag")(inner_in), name="tf_als_flag_inner"
         )
-    return _functional.operation_fn(operation, training=training)
+        outer_in = keras.Input((1,), name="tf_als_flag_outer_input")
+        outer = keras.Model(
+            outer_in, inner(outer_in, training=False), name="tf_als_flag_outer"
+        )
+        seen = outer(tf.ones((1, 1)), training=True)
+    return float(tf.reduce_max(seen)) == 0.0
 
 
 def fill_in(graph_node, values):

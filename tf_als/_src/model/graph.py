@@ -112,6 +112,7 @@ def read(model: keras.Model) -> Plan:
             the plan cannot follow.
     """
     functional = functional_of(model, "model")
+    _keras.recorded_training_wins()  # Read from Keras here, eagerly, once.
     builder = _Builder()
     input_slots = [builder.new_slot(x) for x in functional.inputs]
     output_slots = builder.walk(functional, input_slots, scope=(), training=None)
@@ -255,14 +256,16 @@ class _Builder:
     def _walk_nested(self, model, node, slot_of, scope, training):
         inner = functional_of(model, "nested model")
         args, kwargs = node.args, dict(node.kwargs)
-        # Keras 3.15's `Functional.call` hands its own `training` to every
-        # node it runs, over what the node was called with: a nested model
-        # called `base(x, training=False)` runs in training mode when the
-        # outer model does (keras-team/keras#20285). Its recorded flag
-        # counts only where no enclosing call gives one.
+        # Whose flag a nested model called `base(x, training=False)` runs
+        # with is Keras's to say (`_keras.recorded_training_wins`): the
+        # enclosing call's where there is one (Keras 3.15), or the one it
+        # recorded (3.16; a recorded None stays None there). The other
+        # counts only where that one is None.
         if "training" in kwargs:
             explicit = kwargs.pop("training")
-            if training is None and explicit is not None:
+            if _keras.recorded_training_wins():
+                training = _keras.RECORDED_NONE if explicit is None else bool(explicit)
+            elif training is None and explicit is not None:
                 training = bool(explicit)
         kwargs.pop("mask", None)
         if len(args) != 1 or kwargs:

@@ -67,8 +67,12 @@ def _run_call(call, value, back, training) -> list:
     key = (graph.CALL_INPUT, call.index)
     filled = {kid: value(slot, key) for kid, slot in call.inputs}
     args, kwargs = _keras.fill_in(call.node, filled)
-    # As `Functional.call`: the call's own flag wins over what was recorded.
-    context_training = call.training if training is None else training
+    # `training`, the instrumented model's call's flag, against the one a
+    # nested model was called with: as Keras has it (`graph._walk_nested`).
+    if _keras.recorded_training_wins():
+        context_training = training if call.training is None else call.training
+    else:
+        context_training = call.training if training is None else training
     function = _keras.operation_fn(call.operation, context_training)
     if call.point is not None:
         return back.wrap_call(call, function, args, kwargs)
