@@ -14,8 +14,10 @@ and the final global scale.
     python benchmarks/failures.py noisy_or --output failures_noisy_or
 
 The cases rebuilt from public reports (`failure_cases.REPORTED`: `noisy_or`,
-`exp_loss`, `variance_norm`) run only when named; the slow suite does not
-run them.
+`exp_loss`, `variance_norm`, and `gpt2_mask`'s attention inside a
+KerasHub-style block, `gpt2_mask_block`, and in a subclassed model,
+`gpt2_mask_subclassed`) run only when named; the slow suite does not run
+them.
 
 Every case but `softmax_top` takes well under a minute per seed on two CPU
 cores; `softmax_top` (EfficientNetV2B0) takes a few minutes per seed.
