@@ -377,7 +377,10 @@ def _composite_failures(forward) -> list:
             layer is forward.model
             or layer.compute_dtype != "float16"
             or not _keras.sublayers(layer, recursive=False)
-            or (nonfinite.all_finite(outputs) and _keras.draws_random(layer))
+            or (
+                nonfinite.all_finite(outputs)
+                and (_from_keras(layer) or _keras.draws_random(layer))
+            )
         ):
             continue
         inner = {id(l) for l in _keras.sublayers(layer, recursive=True)}
@@ -401,13 +404,17 @@ def _in_own_code(reason) -> str:
 
 def _checked(layer, outputs) -> bool:
     """A leaf layer that computes in float16: one with weights; one
-    without, unless its output is finite and it draws at random (its
-    re-run would not draw the same)."""
+    without that is not Keras's or KerasHub's (whose weightless layers
+    the check has never re-run: a few reductions each on every pass of
+    a search, hundreds on EfficientNet), unless its output is finite and
+    it draws at random (its re-run would not draw the same)."""
     if _keras.sublayers(layer, recursive=False) or layer.compute_dtype != "float16":
         return False
-    if layer.weights or not nonfinite.all_finite(outputs):
+    if layer.weights:
         return True
-    return not _keras.draws_random(layer)
+    if _from_keras(layer):  # Keras's own weightless layers: as before.
+        return False
+    return not nonfinite.all_finite(outputs) or not _keras.draws_random(layer)
 
 
 def _stray(layer, arguments, outputs, switched=None) -> Optional[str]:
