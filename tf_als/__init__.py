@@ -30,7 +30,7 @@ from tf_als._src.monitoring.report import diagnose
 from tf_als._src.training.optimizer import AdaptiveLossScaleOptimizer
 
 # What changed between versions, and what each can load: CHANGELOG.md.
-__version__ = "0.5.0"
+__version__ = "0.6.0"
 
 __all__ = [
     "AdaptiveLossScaleOptimizer",
