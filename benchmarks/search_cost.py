@@ -22,9 +22,10 @@ of 20 compiled `train_on_batch` calls after a warm-up, without XLA.
 
 import argparse
 import os
-import statistics
 import sys
 import time
+
+import numpy as np
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -100,7 +101,7 @@ def keras_step(name):
         start = time.perf_counter()
         model.train_on_batch(x, y)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return float(np.median(times))
 
 
 def check(name):
@@ -130,7 +131,7 @@ def main(argv=None):
     for name in args.models:
         step = keras_step(name)
         runs = [check(name) for _ in range(args.repeats)]
-        later = statistics.median(r[0] for r in runs[1:]) if len(runs) > 1 else runs[0][0]
+        later = float(np.median([r[0] for r in runs[1:]])) if len(runs) > 1 else runs[0][0]
         _, backward, reruns, promoted = runs[-1]
         print(f"| {name} | {step * 1e3:.1f} | {runs[0][0]:.2f} | {later:.2f} | {backward} "
               f"| {reruns} | {promoted} | {later / step:.0f} |")
