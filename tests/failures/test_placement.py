@@ -16,24 +16,17 @@ import tf_als
 from tf_als._src.failures import preflight
 from tf_als._src.failures import promote
 from tests import failure_cases
+from tests.failures import test_reported_failures
 
 pytestmark = pytest.mark.usefixtures("mixed")
 layers = keras.layers
 
 
 def _case(name):
-    case = failure_cases.REPORTED[name]
-    keras.utils.set_random_seed(0)
-    model = case.build(False)
-    keras.mixed_precision.set_global_policy("float32")
-    try:
-        keras.utils.set_random_seed(0)
-        reference = case.build(False)
-    finally:
-        keras.mixed_precision.set_global_policy("mixed_float16")
-    reference.set_weights(model.get_weights())
-    batches, _ = case.data(0)
-    return model, reference, batches, preflight.batch_mean_loss(case.loss)
+    """(plain model, its float32 twin, the case's batches, loss_fn)."""
+    model, reference, _, loss_fn = test_reported_failures._case(name)
+    batches, _ = failure_cases.REPORTED[name].data(0)
+    return model, reference, batches, loss_fn
 
 
 def test_the_attention_alone_in_float32_breaks_the_block():

@@ -93,8 +93,10 @@ def _run(forward, caller, layer) -> tuple:
     in float32, raises (None when it runs), and whether a float output of
     it then comes out in another dtype than it did. Variables are left as
     they were."""
-    args, kwargs = next(arguments for called, arguments, _ in forward.own_calls if called is caller)
-    recorded = next(outputs for called, _, outputs in forward.own_calls if called is caller)
+    (args, kwargs), recorded = next(
+        (arguments, outputs) for called, arguments, outputs in forward.own_calls
+        if called is caller
+    )
     try:
         with nonfinite.preserved(forward.model.variables):
             with _keras.dtype_policy(promote.layers_of(layer), "float32"):
