@@ -22,7 +22,7 @@ in the benchmark's process: a measurement, not an option of the library):
 - `tf_als`: as shipped;
 - `no_check`: without the first-batch check;
 - `no_forward`: without the per-point forward-headroom branches
-  (`Backward._measure_forward` returns zeros);
+  (`Choice._forward_headroom` returns the tallies of nothing);
 - `no_telemetry`: without the telemetry branch of the optimizer's `apply`
   (`update.write_telemetry` does nothing);
 - `neither`: without both;
@@ -51,12 +51,13 @@ def _leave_out(variant):
     """Replaces the pieces `variant` leaves out, before the model is made."""
     import tensorflow as tf
 
-    from tf_als._src.training import backward
+    from tf_als._src.scaling import rule
+    from tf_als._src.training import choice
     from tf_als._src.training import replicas
     from tf_als._src.training import update
 
     if variant in ("no_forward", "neither"):
-        backward.Backward._measure_forward = lambda self, outputs: tf.zeros([2])
+        choice.Choice._forward_headroom = lambda self, outputs: rule.forward_tallies([])
     if variant in ("no_telemetry", "neither"):
         update.write_telemetry = lambda *args: None
     if variant == "no_gains":

@@ -212,7 +212,7 @@ NEAR_MAX_FACTOR = 2**4
 NEAR_MAX_THRESHOLD = FLOAT16_MAX / NEAR_MAX_FACTOR
 
 
-def forward_tallies(outputs, extent=None) -> tuple:
+def forward_tallies(outputs) -> tuple:
     """The forward headroom of a scaling point's float16 `outputs` (a
     list, pooled), as `(largest, near, size)`, int scalars: the largest
     magnitude's bit pattern (int16, sign cleared; below 0 when nothing was
@@ -225,19 +225,10 @@ def forward_tallies(outputs, extent=None) -> tuple:
     the point has run; `headroom_of_tallies` turns every point's into
     [amax, near-max fraction] at once, on telemetry steps only.
 
-    `extent`: None (read everything), or a function of a rank r giving an
-    int32 [r] slice size, all -1 (read the whole output) or with a 0 in
-    front (read nothing, which gives a largest below 0 and a near count of
-    0). A step reads its outputs only on telemetry steps this way, without
-    a branch (a branch is two functions in the step's library). `size`
-    stays the output's size either way.
-
     >>> y = tf.constant([1.0, -5000.0, 4094.0, 100.0], tf.float16)
     >>> largest, near, size = forward_tallies([y])
     >>> int(largest) == _float16_bits(5000.0), int(near), int(size)
     (True, 2, 4)
-    >>> [int(t) for t in forward_tallies([y], lambda rank: tf.constant([0]))]
-    [-32768, 0, 4]
     """
     if not outputs:
         return tf.constant(-1, tf.int16), tf.constant(0, tf.int64), tf.constant(0, tf.int64)
@@ -249,10 +240,6 @@ def forward_tallies(outputs, extent=None) -> tuple:
             tf.size(y, out_type=tf.int64) if count is None
             else tf.constant(count, tf.int64)
         )
-        if extent is not None:
-            if y.shape.rank == 0:
-                y = tf.reshape(y, [1])
-            y = tf.slice(y, [0] * y.shape.rank, extent(y.shape.rank))
         bits = tf.bitwise.bitwise_and(tf.bitcast(y, tf.int16), 0x7FFF)
         largest.append(tf.reduce_max(bits))
         near.append(tf.reduce_sum(tf.cast(bits >= threshold, tf.int64)))

@@ -47,7 +47,8 @@ class Choice:
         self._limits = {}  # graph (None: eager) -> every point's headroom
         self._rows = {}  # graph (None: eager) -> the same, one tensor each
         self._forward = {}  # point -> its forward headroom, [2]
-        self._due = {}  # graph (None: eager) -> (telemetry step?, extents)
+        self._due = {}  # graph (None: eager) -> telemetry step?
+        self._kinds = {}  # outputs' dtypes -> `_branches`
 
     def scale(self, point, upstream, scale_out, again=False):
         """The point's scale s_n, chosen from `upstream`, the gradients it
@@ -109,41 +110,53 @@ class Choice:
     def _forward_headroom(self, outputs):
         """The forward headroom of a point's float16 `outputs`, as its
         `rule.forward_tallies`, measured only when the state says the
-        coming step is a telemetry step (nothing read otherwise). Taken as soon as
-        the point has run, from that point's outputs alone, so that no
-        activation lives longer for it than the layers after the point
+        coming step is a telemetry step (nothing read otherwise). Taken as
+        soon as the point has run, from that point's outputs alone, so that
+        no activation lives longer for it than the layers after the point
         need it.
 
-        Without XLA the outputs are read through a slice whose extent the
-        state sets once per pass (all of them, or none): a few ops per
-        point and no function (a branch per point added two to the step's
-        library). Under XLA a slice of dynamic extent is padded to its
-        bound, which on a GPU can mean a masked read of the whole output on
-        every step (not measured: no GPU here; on this CPU, XLA's empty
-        slice costs nothing), so there each point keeps a branch of its own
-        (`tf.cond`), which XLA compiles as a conditional and which costs
-        no dispatch."""
+        In a traced step each point adds one op: a branch (`StatelessIf`)
+        whose two functions, measure or not, are traced once per pass for
+        each kind of outputs (their dtypes; any shape) and shared by every
+        point with that kind, so the step's library grows by two functions
+        per kind (one kind, a float16 output, on most models), not per
+        point, and a step without telemetry runs no read.
+        (Before: a slice whose extent the state set, seven ops per point
+        on every step, and under XLA a `tf.cond` per point, two functions
+        each.)"""
         graph = unscaled.traced_graph()
         if graph not in self._due:
-            due = tf.convert_to_tensor(self.state.telemetry_next) > 0
-            self._due[graph] = (due, {})
-        due, extents = self._due[graph]
-
-        def extent(rank):  # One per rank and pass: all, or none of dim 0.
-            if rank not in extents:
-                extents[rank] = tf.where(due, [-1] * rank, [0] + [-1] * (rank - 1))
-            return extents[rank]
-
+            self._due[graph] = tf.convert_to_tensor(self.state.telemetry_next) > 0
+        due = self._due[graph]
         # Nothing differentiates a measurement.
         with _keras.unrecorded(), tf.name_scope("tf_als_forward"):
-            if not _keras.compiled_by_xla():
-                return rule.forward_tallies(outputs, extent)
-            return tf.cond(
-                due,
-                lambda: rule.forward_tallies(outputs),
-                lambda: rule.forward_tallies([]),
-                name="forward_headroom",
+            if graph is None:
+                return rule.forward_tallies(outputs if bool(due) else [])
+            measure, skip = self._branches(outputs)
+            return tf.raw_ops.StatelessIf(
+                cond=due, input=list(outputs), Tout=_TALLY_DTYPES,
+                then_branch=measure, else_branch=skip,
+                output_shapes=[[], [], []], name="forward_headroom",
             )
+
+    def _branches(self, outputs):
+        """The two functions of `_forward_headroom`'s branch for outputs of
+        the dtypes of `outputs` (of any shape): `rule.forward_tallies` of
+        them, and of none; made once per pass and kind, and added to the
+        graph being traced."""
+        kind = tuple(y.dtype for y in outputs)  # Any shape, any rank.
+        if kind not in self._kinds:
+            specs = [tf.TensorSpec(None, dtype) for dtype in kind]
+            self._kinds[kind] = tuple(
+                tf.function(
+                    lambda *ys, read=read: rule.forward_tallies(list(ys) if read else []),
+                    input_signature=specs, autograph=False,
+                ).get_concrete_function()
+                for read in (True, False)
+            )
+        for function in self._kinds[kind]:
+            function.add_to_graph()
+        return self._kinds[kind]
 
     def finish(self) -> None:
         """At the end of a training forward pass: leaves each point's
@@ -185,6 +198,10 @@ class Choice:
         `outputs` (once per pass; `_forward_headroom`)."""
         if point not in self._forward:
             self._forward[point] = self._forward_headroom(outputs)
+
+
+# What `rule.forward_tallies` returns: largest, near, size.
+_TALLY_DTYPES = (tf.int16, tf.int64, tf.int64)
 
 
 def row_of(values, point: int) -> tf.Tensor:
