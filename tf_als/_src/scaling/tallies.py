@@ -90,21 +90,28 @@ def tallies(groups) -> tf.Tensor:
     array([nan,  0.], dtype=float32)
     """
     count = len(groups)
-    pieces, owners, lengths = [], [], []
+    by_dtype = {}  # dtype -> ([flat pieces], [their groups], [their sizes])
     for group, gradients in enumerate(groups):
         if not isinstance(gradients, (list, tuple)):
             gradients = [gradients]
         for g in gradients:
-            flat = tf.reshape(tf.cast(g, tf.float32), [-1])
+            flat = g if g.shape.rank == 1 else tf.reshape(g, [-1])  # A sample is flat.
+            pieces, owners, lengths = by_dtype.setdefault(flat.dtype, ([], [], []))
             pieces.append(flat)
             owners.append(group)
             size = flat.shape[0]
             lengths.append(size if size is not None else tf.size(flat))
-    if not pieces:
+    if not by_dtype:
         return tf.zeros([count, TALLY_SIZE])
+    # One concatenation and one cast per dtype, not per piece.
+    values = tf.concat(
+        [tf.cast(tf.concat(pieces, 0), tf.float32) for pieces, _, _ in by_dtype.values()], 0
+    )
+    owners = [group for _, groups_, _ in by_dtype.values() for group in groups_]
+    lengths = [size for _, _, sizes in by_dtype.values() for size in sizes]
     # Non-negative floats order as their bit patterns, and NaN's lie above
     # inf's: one integer max is a NaN-propagating amax.
-    bits = tf.bitcast(tf.abs(tf.concat(pieces, 0)), tf.int32)
+    bits = tf.bitcast(tf.abs(values), tf.int32)
     owner = tf.repeat(tf.constant(owners, tf.int32), tf.stack(lengths))
     amax = tf.bitcast(
         tf.maximum(tf.math.unsorted_segment_max(bits, owner, count), 0), tf.float32
