@@ -120,10 +120,8 @@ class Choice:
         each kind of outputs (their dtypes; any shape) and shared by every
         point with that kind, so the step's library grows by two functions
         per kind (one kind, a float16 output, on most models), not per
-        point, and a step without telemetry runs no read.
-        (Before: a slice whose extent the state set, seven ops per point
-        on every step, and under XLA a `tf.cond` per point, two functions
-        each.)"""
+        point, and a step without telemetry runs no read. The same code
+        serves XLA, which compiles the branch as a conditional."""
         graph = unscaled.traced_graph()
         if graph not in self._due:
             self._due[graph] = tf.convert_to_tensor(self.state.telemetry_next) > 0
