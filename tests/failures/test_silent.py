@@ -144,8 +144,8 @@ def test_each_point_measures_its_forward_headroom_in_a_shared_branch(mixed, jit_
     forward pass held all of them until the last point ran (on a 4-layer
     GPT-2 of hidden size 256 with XLA, tf_als's peak fell from 2285 to
     2099 MiB with a measurement per point; Keras's is about 1400). Ops:
-    the branches of points whose outputs have the same dtypes and ranks
-    call the same two functions, so the step's library does not grow with
+    the branches of points whose outputs have the same dtypes call the
+    same two functions, so the step's library does not grow with
     the points (a `tf.cond` per point added two functions each)."""
     graph, library = _traced_step(jit_compile=jit_compile)
     branches = [

@@ -90,25 +90,26 @@ def tallies(groups) -> tf.Tensor:
     array([nan,  0.], dtype=float32)
     """
     count = len(groups)
-    by_dtype = {}  # dtype -> ([flat pieces], [their groups], [their sizes])
+    by_dtype = {}  # dtype -> [(flat piece, its group, its size)]
     for group, gradients in enumerate(groups):
         if not isinstance(gradients, (list, tuple)):
             gradients = [gradients]
         for g in gradients:
             flat = g if g.shape.rank == 1 else tf.reshape(g, [-1])  # A sample is flat.
-            pieces, owners, lengths = by_dtype.setdefault(flat.dtype, ([], [], []))
-            pieces.append(flat)
-            owners.append(group)
             size = flat.shape[0]
-            lengths.append(size if size is not None else tf.size(flat))
+            by_dtype.setdefault(flat.dtype, []).append(
+                (flat, group, size if size is not None else tf.size(flat))
+            )
     if not by_dtype:
         return tf.zeros([count, TALLY_SIZE])
     # One concatenation and one cast per dtype, not per piece.
-    values = tf.concat(
-        [tf.cast(tf.concat(pieces, 0), tf.float32) for pieces, _, _ in by_dtype.values()], 0
-    )
-    owners = [group for _, groups_, _ in by_dtype.values() for group in groups_]
-    lengths = [size for _, _, sizes in by_dtype.values() for size in sizes]
+    values = tf.concat([
+        tf.cast(tf.concat([flat for flat, _, _ in same], 0), tf.float32)
+        for same in by_dtype.values()
+    ], 0)
+    ordered = [piece for same in by_dtype.values() for piece in same]  # As `values`.
+    owners = [group for _, group, _ in ordered]
+    lengths = [size for _, _, size in ordered]
     # Non-negative floats order as their bit patterns, and NaN's lie above
     # inf's: one integer max is a NaN-propagating amax.
     bits = tf.bitcast(tf.abs(values), tf.int32)

@@ -132,7 +132,7 @@ class Choice:
                 return rule.forward_tallies(outputs if bool(due) else [])
             measure, skip = self._branches(outputs)
             return tf.raw_ops.StatelessIf(
-                cond=due, input=list(outputs), Tout=_TALLY_DTYPES,
+                cond=due, input=list(outputs), Tout=[y.dtype for y in measure.outputs],
                 then_branch=measure, else_branch=skip,
                 output_shapes=[[], [], []], name="forward_headroom",
             )
@@ -196,10 +196,6 @@ class Choice:
         `outputs` (once per pass; `_forward_headroom`)."""
         if point not in self._forward:
             self._forward[point] = self._forward_headroom(outputs)
-
-
-# What `rule.forward_tallies` returns: largest, near, size.
-_TALLY_DTYPES = (tf.int16, tf.int64, tf.int64)
 
 
 def row_of(values, point: int) -> tf.Tensor:
