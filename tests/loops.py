@@ -43,6 +43,34 @@ def mlp(inputs, width, outputs, name, activation="relu", seed=0):
     return keras.Model(inp, out, name=name)
 
 
+@keras.saving.register_keras_serializable(package="tests")
+class Block(keras.layers.Layer):
+    """A composite layer: two Dense sublayers and a residual sum in its own
+    `call` (its sublayers are inner scaling points)."""
+
+    def __init__(self, width, activation="relu", **kwargs):
+        super().__init__(**kwargs)
+        self.width, self.activation = width, activation
+        self.inner = keras.layers.Dense(width, activation=activation)
+        self.outer = keras.layers.Dense(width, activation=activation)
+
+    def call(self, x):
+        return x + self.outer(self.inner(x))
+
+    def get_config(self):
+        return {**super().get_config(), "width": self.width, "activation": self.activation}
+
+
+def composite_mlp(inputs, width, outputs, name, activation="relu", seed=0):
+    """`mlp` with a `Block` between its first layer and its output layer."""
+    keras.utils.set_random_seed(seed)
+    x = inp = keras.Input((inputs,))
+    x = keras.layers.Dense(width, activation=activation)(x)
+    x = Block(width, activation)(x)
+    out = keras.layers.Dense(outputs, dtype="float32")(x)
+    return keras.Model(inp, out, name=name)
+
+
 IMAGE = 16
 
 

@@ -176,12 +176,11 @@ def test_super_chains_through_the_users_classes(mixed):
 # -- GANs: two models, two optimizers, a critic inside the generator's step --
 
 
-def _gan(variant, penalty=0.0):
+def _gan(variant, penalty=0.0, critic="mlp"):
     _policy(variant)
     generator = _model(variant, lambda: loops.mlp(loops.LATENT, 32, loops.FEATURES, "gen", seed=1))
-    critic = _model(
-        variant, lambda: loops.mlp(loops.FEATURES, 32, 1, "critic", "tanh", seed=2)
-    )
+    build = {"mlp": loops.mlp, "composite": loops.composite_mlp}[critic]
+    critic = _model(variant, lambda: build(loops.FEATURES, 32, 1, "critic", "tanh", seed=2))
     gan = loops.GAN(generator, critic, penalty=penalty)
     gan.compile(d_optimizer=_optimizer(variant), g_optimizer=_optimizer(variant))
     return gan
@@ -237,10 +236,12 @@ def test_the_generator_gradient_through_a_scaled_critic_is_float32s():
         assert np.linalg.norm(got - want) <= 0.01 * np.linalg.norm(want)
 
 
+@pytest.mark.parametrize("critic", ["mlp", "composite"])
 @pytest.mark.parametrize("mode", ["eager", "tf_function", pytest.param("xla", marks=pytest.mark.slow)])
-def test_a_gradient_penalty_gives_the_optimizer_float32s_gradient(mode):
+def test_a_gradient_penalty_gives_the_optimizer_float32s_gradient(mode, critic):
     """WGAN-GP's critic loss, penalty included (a gradient of a gradient
-    through every scaling point), differentiated for the critic's weights.
+    through every scaling point, a composite's inner points too),
+    differentiated for the critic's weights.
     The criterion of tests/test_oracle.py: norm ratio and cosine against
     float32, and a relative error no worse than twice Keras's plus float16
     rounding."""
@@ -250,7 +251,7 @@ def test_a_gradient_penalty_gives_the_optimizer_float32s_gradient(mode):
     batch = {k: tf.constant(v) for k, v in loops.data(16).items()}
     gradients = {}
     for variant in VARIANTS:
-        gan = _gan(variant, penalty=10.0)
+        gan = _gan(variant, penalty=10.0, critic=critic)
         if variant == "tf_als":
             for i, point in enumerate(gan.critic.scaling_points):
                 point.scale.assign(2.0 ** (2 * i))  # Lifted, unequal scales.
@@ -272,6 +273,45 @@ def test_a_gradient_penalty_gives_the_optimizer_float32s_gradient(mode):
         assert np.dot(als.ravel(), want.ravel()) / (np.linalg.norm(als) * norm) >= 0.999
         keras_error = np.linalg.norm(ker - want) / norm
         assert np.linalg.norm(als - want) / norm <= 2 * keras_error + 2.0**-10
+
+
+@pytest.mark.parametrize("critic", ["mlp", "composite"])
+@pytest.mark.parametrize("mode", ["eager", "tf_function"])
+def test_points_lift_their_inputs_only_where_a_gradient_of_a_gradient_can_be_taken(
+    mode, critic, monkeypatch
+):
+    """A point's input lifts serve only a second-order gradient. Under the
+    one non-persistent tape of a first-order step (Keras's train step, a
+    custom loop's) the points make none; under the critic loss's two tapes
+    (its gradient penalty) every critic point lifts its input, a
+    composite's inner points too, and the penalty's gradient through them
+    is float32's (the test above)."""
+    from tf_als._src.training import backward
+
+    made = []
+    original = backward._lift
+    monkeypatch.setattr(
+        backward, "_lift", lambda *args: made.append(args[1]) or original(*args)
+    )
+    gan = _gan("tf_als", penalty=10.0, critic=critic)
+    batch = {k: tf.constant(v) for k, v in loops.data(16).items()}
+    critic_points = len(gan.critic.scaling_points)
+
+    def step(loss_of):
+        def run():
+            with tf.GradientTape() as tape:
+                loss = loss_of()
+            return tape.gradient(loss, gan.critic.trainable_weights)
+
+        made.clear()
+        compiled(run, mode)()
+        return sorted(set(made))
+
+    # First order: the critic's score of real data, one tape.
+    assert step(lambda: tf.reduce_mean(gan.critic(batch["real"], training=True))) == []
+    # Second order: the penalty differentiates the critic's input gradient.
+    lifted = step(lambda: gan.critic_loss(batch["real"], batch["z1"]))
+    assert len(lifted) == critic_points, (lifted, critic_points)
 
 
 # -- a VAE: one optimizer, two instrumented models ---------------------------

@@ -747,6 +747,23 @@ def recorded_by_a_tape(values) -> bool:
     return bool(handles) and record.should_record_backprop(handles)
 
 
+def higher_order_possible(values) -> bool:
+    """Whether a gradient of a gradient of `values` (tensors or variables)
+    may be taken: a persistent tape, or more than one tape, records them,
+    or no tape does here (a `tf.function` differentiated after tracing,
+    possibly twice). False only where exactly one non-persistent tape
+    records them (Keras's train step): its backward pass is not recorded.
+    TensorFlow 2.21 `gradients_util.PossibleTapeGradientTypes`; public:
+    none."""
+    from tensorflow.python.ops import gradients_util
+
+    handles = [v.handle if hasattr(v, "handle") else v for v in values]
+    handles = [h for h in handles if tf.is_tensor(h)]
+    return gradients_util.PossibleTapeGradientTypes(handles) != (
+        gradients_util.POSSIBLE_GRADIENT_TYPES_FIRST_ORDER
+    )
+
+
 def trainable_weights(layer) -> list:
     """The Keras 3 variables `layer` (with its sublayers) trains, each
     once; [] for None. Public: `Layer.trainable_variables`."""

@@ -76,6 +76,7 @@ class Backward:
         self._interior = {}  # point -> T_in, the scale of its interior
         self._handled = {}  # point -> ids of variables unscaled inside it
         self._input_scales = {}  # point -> T its input gradients carry
+        self._lifted = {}  # point -> whether its inputs are lifted
 
     # -- the three custom-gradient identities ------------------------------
 
@@ -260,6 +261,17 @@ class Backward:
         weights = _keras.trainable_weights(layer)
         values = [_keras.read_stored(v) for v in weights]
         results = {}
+        # Where only a first-order gradient can be taken (Keras's train
+        # step), nothing reaches a lift: the layer reads its inputs as
+        # they are. An inner point's call is recorded by its enclosing
+        # point's own tape (persistent, never differentiated twice), so it
+        # follows the enclosing point.
+        parent = self._parents.get(point)
+        if parent in self._lifted:
+            lifted = self._lifted[parent]
+        else:
+            lifted = _keras.higher_order_possible(xs + values)
+        self._lifted[point] = lifted
 
         @tf.custom_gradient
         def scaled(*inputs):
@@ -268,7 +280,10 @@ class Backward:
             # through the layer's forward ops, unscaled, and they lift it
             # to the scale the call's input gradients carry.
             count = len(inputs) - len(values)
-            xs = [_lift(self._input_scales, point, x) for x in inputs[:count]]
+            xs = [
+                _lift(self._input_scales, point, x) if lifted else x
+                for x in inputs[:count]
+            ]
             mapped = list(inputs[count:])
             call_args, call_kwargs = _substitute(args, kwargs, flat, positions, xs)
             with tf.GradientTape(persistent=True) as tape:
