@@ -1054,3 +1054,48 @@ def test_amax_of_reads_every_sign_and_non_finite(run):
             stored = np.abs(t.numpy().astype(np.float32))
             expected = np.float32(np.nan if np.isnan(stored).any() else stored.max())
             assert_exact(out, expected, what=(dtype.name, values))
+
+
+def test_amaxes_of_gives_each_tensors_amax_of_any_dtype(run):
+    """`amaxes_of` (the optimizer's one read of every gradient) converts
+    each dtype's maxima together: each tensor's value must still be its own
+    `amax_of`, exactly, in the order given, whatever dtypes and non-finite
+    values sit between them; None gives 0."""
+    cases = [
+        ([1.0, -3.0, 2.0], tf.float32),
+        ([2.0**-24, -(2.0**-20)], tf.float16),
+        ([1.0, -NAN], tf.float32),
+        ([0.0, -0.0], tf.bfloat16),
+        ([INF, -2.0], tf.float16),
+        ([0.5, -0.25], tf.float64),
+        ([-7.0], tf.float32),
+    ]
+    tensors = [tf.constant(values, dtype) for values, dtype in cases]
+
+    def fn(*gs):
+        given = list(gs)
+        given.insert(2, None)
+        return rule.amaxes_of(given), [rule.amax_of(g) for g in gs]
+
+    together, alone = run(fn, *tensors)
+    assert_exact(together[2], 0.0)
+    del together[2]
+    assert len(together) == len(cases)
+    for case, got, want in zip(cases, together, alone):
+        assert_exact(got, want, what=case)
+
+
+def test_scale_within_reads_a_limit_given_as_its_bit_pattern(run):
+    """The backward pass hands the limit as its bit pattern; the scale must
+    be the one `scale_within` gives for the limit itself."""
+    amaxes = f32([3.0, 2.0**-20, 0.0, 2.0**10, NAN])
+    limits = f32([16.0, 16.0, 16.0, 1.0, 16.0])
+
+    def fn(a, l):
+        return (
+            rule.scale_within(a, rule.bits_of(l), 2.0**15, 64.0),
+            rule.scale_within(a, l, 2.0**15, 64.0),
+        )
+
+    got, want = run(fn, amaxes, limits)
+    assert_exact(got, want)

@@ -1,8 +1,9 @@
 """The rule that runs is the rule that is tested.
 
 A compiled training step of an instrumented model chooses every point's
-scale through `rule.amax_of`, `rule.headroom` and `rule.scale_within`, the
-functions tests/scaling/test_rule.py checks on crafted tensors, and the
+scale through `rule.amax_of`, `rule.headroom` and `rule.scale_within` (the
+limit as a bit pattern, `rule.bits_of`), the functions
+tests/scaling/test_rule.py checks on crafted tensors, and the
 scales it applies and writes are exactly what those functions give for
 the amax and the inherited lift T_out each point measured in that step.
 (`tests/test_structure.py` checks the same statically: every public

@@ -16,8 +16,9 @@ on every step, inside the point's gradient function:
                                                         (`scale_within`)
 
 These three functions are what the backward pass calls
-(`tf_als/_src/training/choice.py`, `Choice.scale`) and what the tests
-of `tests/scaling/test_rule.py` exercise. The paper's rule
+(`tf_als/_src/training/choice.py`, `Choice.scale`; the last with
+every point's limit converted to bits at once) and what the tests of
+`tests/scaling/test_rule.py` exercise. The paper's rule
 (`choose_scale_paper`, every `update_interval` steps) aims at the
 `underflow_rate`-quantile q of the nonzero |g| instead, under the same cap.
 Underflow is reported (on telemetry steps, from a sample of g) as the share
@@ -101,9 +102,18 @@ def scale_within(amax, limit, max_layer_scale, inherited=1.0) -> tf.Tensor:
     4.0
     >>> float(scale_within(tf.constant(2.0**10), tf.constant(1.0), 2.0**15, 64.0))
     0.015625
+
+    `limit` may also be given as its bit pattern (int32, `bits_of`): a
+    backward pass converts every point's limit at once, not each its own.
+
+    >>> float(scale_within(tf.constant(3.0), bits_of(16.0), 2.0**15))
+    4.0
     """
+    if tf.is_tensor(limit) and limit.dtype == tf.int32:
+        limit_bits = limit  # A pass's limits, converted at once.
+    else:
+        limit_bits = bits_of(limit)
     amax = tf.cast(amax, tf.float32)
-    limit_bits = tf.bitcast(tf.cast(limit, tf.float32), tf.int32)
     borrow = limit_bits - tf.bitcast(amax, tf.int32)  # Discarded where amax <= 0.
     exponent = tf.bitwise.bitwise_and(borrow, -(1 << 23))  # k * 2**23.
     exponent = tf.minimum(exponent, _exponent_bits(max_layer_scale))
@@ -113,6 +123,17 @@ def scale_within(amax, limit, max_layer_scale, inherited=1.0) -> tf.Tensor:
     exponent = tf.maximum(exponent, _exponent_bits(inherited, negated=True))
     scale = tf.bitcast(exponent + (127 << 23), tf.float32)
     return tf.where(amax > 0.0, scale, 1.0)
+
+
+def bits_of(values) -> tf.Tensor:
+    """The bit patterns of float32 `values` (int32): limits as
+    `scale_within` takes them from a backward pass, which converts every
+    point's at once.
+
+    >>> int(bits_of(1.0)) == 127 << 23
+    True
+    """
+    return tf.bitcast(tf.cast(values, tf.float32), tf.int32)
 
 
 def _exponent_bits(power_of_two, negated=False):
@@ -201,6 +222,34 @@ def amax_of(gradients) -> tf.Tensor:
         gradients = [gradients]
     values = [_amax(g) for g in gradients]
     return values[0] if len(values) == 1 else tf.reduce_max(tf.stack(values))
+
+
+def amaxes_of(tensors) -> list:
+    """The amax of each of `tensors` (any float dtype; None gives 0), as
+    float32 scalars, each read once: `_amax`'s integer maximum per tensor,
+    then one conversion for all the tensors of a dtype (stacked, converted,
+    unstacked: three ops in all where each tensor's own took one), which
+    is what an optimizer pays on every step for every gradient.
+
+    >>> x = tf.constant([1.0, -float("inf")])
+    >>> [float(a) for a in amaxes_of([tf.constant([-3.0, 2.0]), None, x])]
+    [3.0, 0.0, inf]
+    """
+    values = [tf.constant(0.0) if t is None else None for t in tensors]
+    groups = {}  # dtype -> [(position, integer maximum)]
+    for i, t in enumerate(tensors):
+        if t is None:
+            continue
+        if t.dtype not in _BITS:
+            values[i] = _amax(t)
+            continue
+        groups.setdefault(t.dtype, []).append((i, _largest_bits(t)))
+    for dtype, members in groups.items():
+        stacked = tf.stack([bits for _, bits in members])
+        floats = tf.cast(tf.bitcast(stacked, dtype), tf.float32)
+        for (i, _), value in zip(members, tf.unstack(floats)):
+            values[i] = value
+    return values
 
 
 # Forward headroom: a float16 output whose magnitude reaches float16's
@@ -304,9 +353,15 @@ def _amax(gradient) -> tf.Tensor:
     """
     if gradient.dtype not in _BITS:
         return tf.cast(tf.reduce_max(tf.abs(gradient)), tf.float32)
+    return tf.cast(tf.bitcast(_largest_bits(gradient), gradient.dtype), tf.float32)
+
+
+def _largest_bits(gradient) -> tf.Tensor:
+    """The largest of `gradient`'s bit patterns with the sign cleared (an
+    integer scalar; `_amax`)."""
     integer, magnitude = _BITS[gradient.dtype]
     bits = tf.bitwise.bitwise_and(tf.bitcast(gradient, integer), magnitude)
-    return tf.cast(tf.bitcast(tf.reduce_max(bits), gradient.dtype), tf.float32)
+    return tf.reduce_max(bits)
 
 
 def choose_scale_paper(

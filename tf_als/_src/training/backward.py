@@ -251,27 +251,15 @@ class Backward:
         the float outputs (at positions `floats` of the flat outputs), `xs`
         the float inputs, `variables` the values read for variables `keys`.
         The point layer's own are read once, outside, and passed in.
-
         Returns `(structure, flat)`: the structure of the outputs, and the
-        flat outputs with the float ones replaced by their identities.
-        """
+        flat outputs with the float ones replaced by their identities."""
         flat = tree.flatten((args, kwargs))
         positions, xs = _float_tensors(flat)
         layer = self._owners.get(point)
         weights = _keras.trainable_weights(layer)
         values = [_keras.read_stored(v) for v in weights]
         results = {}
-        # Where only a first-order gradient can be taken (Keras's train
-        # step), nothing reaches a lift: the layer reads its inputs as
-        # they are. An inner point's call is recorded by its enclosing
-        # point's own tape (persistent, never differentiated twice), so it
-        # follows the enclosing point.
-        parent = self._parents.get(point)
-        if parent in self._lifted:
-            lifted = self._lifted[parent]
-        else:
-            lifted = _keras.higher_order_possible(xs + values)
-        self._lifted[point] = lifted
+        lifted = _lifts(self._lifted, self._parents.get(point), point, xs + values)
 
         @tf.custom_gradient
         def scaled(*inputs):
@@ -280,10 +268,7 @@ class Backward:
             # through the layer's forward ops, unscaled, and they lift it
             # to the scale the call's input gradients carry.
             count = len(inputs) - len(values)
-            xs = [
-                _lift(self._input_scales, point, x) if lifted else x
-                for x in inputs[:count]
-            ]
+            xs = [_lift(self._input_scales, point, x) if lifted else x for x in inputs[:count]]
             mapped = list(inputs[count:])
             call_args, call_kwargs = _substitute(args, kwargs, flat, positions, xs)
             with tf.GradientTape(persistent=True) as tape:
@@ -361,6 +346,20 @@ def _named(scope):
         return named
 
     return decorate
+
+
+def _lifts(lifted, parent, point, tensors) -> bool:
+    """Whether point `point` lifts its inputs, recorded in `lifted`
+    (point -> bool): only where a gradient of its gradient can be taken
+    (`_keras.higher_order_possible` of its input and weight `tensors`),
+    not under Keras's one first-order tape. An inner point follows its
+    enclosing point `parent`, whose own tape (persistent, never
+    differentiated twice) records its call."""
+    if parent in lifted:
+        lifted[point] = lifted[parent]
+    else:
+        lifted[point] = _keras.higher_order_possible(tensors)
+    return lifted[point]
 
 
 def _lift(scales, point, x):

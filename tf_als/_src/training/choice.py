@@ -165,24 +165,26 @@ class Choice:
         self._forward = {}
 
     def _headroom(self):
-        """Every point's headroom in this pass ([points]): `rule.headroom`
-        (the global scale's back-off is shared) lowered by the gain of its
-        weight gradients (`rule.produced_headroom`), computed once per
-        graph; each point takes its own row (`_limit`)."""
+        """Every point's headroom in this pass ([points]), as bit patterns
+        (`rule.bits_of`, int32): `rule.headroom` (the global scale's
+        back-off is shared) lowered by the gain of its weight gradients
+        (`rule.produced_headroom`), computed once per graph; each point
+        takes its own row (`_limit`)."""
         graph = unscaled.traced_graph()
         if graph not in self._limits:
             backoff = tf.convert_to_tensor(self.state.backoff)
             limit = rule.headroom(self.config.overflow_margin, backoff)
-            self._limits[graph] = rule.produced_headroom(
+            self._limits[graph] = rule.bits_of(rule.produced_headroom(
                 limit, tf.convert_to_tensor(self.state.gains),
                 self.config.overflow_margin,
-            )
+            ))
         return self._limits[graph]
 
     def _limit(self, point):
-        """Point `point`'s row of `_headroom`. Under XLA, `row_of`; without
-        it, every row comes from one op per pass (`tf.unstack`), where a
-        row read by `row_of` took three ops per point."""
+        """Point `point`'s row of `_headroom` (a bit pattern). Under XLA,
+        `row_of`; without it, every row comes from one op per pass
+        (`tf.unstack`), where a row read by `row_of` took three ops per
+        point."""
         limits = self._headroom()
         if _keras.compiled_by_xla():
             return row_of(limits, point)
@@ -199,9 +201,9 @@ class Choice:
 
 
 def row_of(values, point: int) -> tf.Tensor:
-    """Row `point` of `values`, a float32 [points] vector of values >= 0
-    (headroom, scales), taken by a max-reduction over a constant mask
-    rather than by a slice.
+    """Row `point` of `values`, a [points] vector of values >= 0 (scales,
+    or the headroom's float32 bit patterns), taken by a max-reduction over
+    a constant mask rather than by a slice.
 
     Under XLA a slice at a constant index fuses into every kernel that uses
     its value: each point's kernels then differ by their index, and layers

@@ -33,7 +33,7 @@ def all_finite(gradient) -> tf.Tensor:
 
 
 def amaxes(grads) -> list:
-    """The amax of each gradient of `grads` (`rule.amax_of`, float32; a
+    """The amax of each gradient of `grads` (`rule.amaxes_of`, float32; a
     sparse gradient's values'; 0 for None): one read of each. inf or NaN
     when the gradient is not finite.
 
@@ -41,11 +41,9 @@ def amaxes(grads) -> list:
     [3.0, 0.0]
     """
     with tf.name_scope("tf_als_check"):
-        return [
-            tf.constant(0.0) if g is None
-            else rule.amax_of(g.values if isinstance(g, tf.IndexedSlices) else g)
-            for g in grads
-        ]
+        return rule.amaxes_of([
+            g.values if isinstance(g, tf.IndexedSlices) else g for g in grads
+        ])
 
 
 def flags_of(amaxes_) -> tf.Tensor:
