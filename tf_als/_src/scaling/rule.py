@@ -227,9 +227,9 @@ def amax_of(gradients) -> tf.Tensor:
 def amaxes_of(tensors) -> list:
     """The amax of each of `tensors` (any float dtype; None gives 0), as
     float32 scalars, each read once: `_amax`'s integer maximum per tensor,
-    then one conversion for all the tensors of a dtype (stacked, converted,
-    unstacked: three ops in all where each tensor's own took one), which
-    is what an optimizer pays on every step for every gradient.
+    then the maxima of each dtype converted to floats together (one stack,
+    bitcast and unstack per dtype instead of a bitcast per tensor). What
+    the optimizer computes on every step, for every gradient.
 
     >>> x = tf.constant([1.0, -float("inf")])
     >>> [float(a) for a in amaxes_of([tf.constant([-3.0, 2.0]), None, x])]
