@@ -188,13 +188,11 @@ class Backward:
                     )
                 ]
             again = _keras.recorded_by_a_tape(list(xs) + list(variables))
-            scale = self.choice.scale(call.point, upstream, common, again)
+            scale, scaled = self.choice.scaled(call.point, upstream, common, again)
             scale_in = scale * common
             self.carried.point_scales[call.index] = scale_in
             self._input_scales[call.point] = scale_in
-            return self._inside(
-                call.point, tape, ys, xs, variables, keys, upstream, scale, scale_in
-            )
+            return self._inside(call.point, tape, ys, xs, variables, keys, scaled, scale_in)
 
         _, outputs = self._scaled_call(call.point, function, args, kwargs, backward)
         return outputs
@@ -226,11 +224,11 @@ class Backward:
             ]
             scale_out = self._interior.get(parent, 1.0)
             again = _keras.recorded_by_a_tape(list(xs) + list(variables))
-            scale = self.choice.scale(point, upstream, scale_out, again)
+            scale, scaled = self.choice.scaled(point, upstream, scale_out, again)
             scale_in = scale * scale_out
             self._input_scales[point] = scale_out
             input_grads, variable_grads = self._inside(
-                point, tape, ys, xs, variables, keys, upstream, scale, scale_in
+                point, tape, ys, xs, variables, keys, scaled, scale_in
             )
             with tf.name_scope("tf_als_rescale"):
                 input_grads = [
@@ -303,18 +301,15 @@ class Backward:
             outputs[i] = y
         return results["outputs"], outputs
 
-    def _inside(self, point, tape, ys, xs, variables, keys, upstream, scale, scale_in):
-        """The backward pass of a point's own call: the incoming gradients
-        times `scale`, then input gradients (carrying `scale_in`) and
-        variable gradients, each divided by `scale_in` in float32 unless an
-        inner point inside the call already did (each product recorded in
-        the step's `unscaled.UnscaledGradients`)."""
+    def _inside(self, point, tape, ys, xs, variables, keys, scaled, scale_in):
+        """The backward pass of a point's own call, from its incoming
+        gradients already multiplied by its scale (`scaled`): input
+        gradients (carrying `scale_in`) and variable gradients, each divided
+        by `scale_in` in float32 unless an inner point inside the call
+        already did (each product recorded in the step's
+        `unscaled.UnscaledGradients`)."""
         self._interior[point] = scale_in
-        with tf.name_scope("tf_als_apply"):
-            scaled_upstream = [dy * tf.cast(scale, dy.dtype) for dy in upstream]
-        grads = tape.gradient(
-            ys, list(xs) + variables, output_gradients=scaled_upstream
-        )
+        grads = tape.gradient(ys, list(xs) + variables, output_gradients=scaled)
         handled = self._handled.get(point, set())
         with tf.name_scope("tf_als_unscale"):
             factor = 1.0 / scale_in  # A scalar: exact.

@@ -8,9 +8,11 @@ weight gradients showed on its last steps, `rule.produced_headroom`;
 `rule.scale_within`), with the knobs of the model's `config.ScalingConfig`
 and the global scale's back-off and the gains from its state: one
 max-reduction and a few scalar ops per point, no branch, and no variable
-written. Under the paper's rule (`rule="paper"`) a point re-chooses only
-when the state says an update is due, and otherwise applies the scale in
-the state. `backward.Backward` asks; it applies what was chosen.
+written; in a step traced without XLA, one compiled call per point
+(`compiled_choice`) that also applies the scale. Under the paper's rule
+(`rule="paper"`) a point re-chooses only when the state says an update is
+due, and otherwise applies the scale in the state. `backward.Backward`
+asks, and differentiates the point's call from the scaled gradients.
 """
 
 import tensorflow as tf
@@ -49,12 +51,17 @@ class Choice:
         self._forward = {}  # point -> its forward headroom, [2]
         self._due = {}  # graph (None: eager) -> telemetry step?
         self._kinds = {}  # outputs' dtypes -> `_branches`
+        self._choices = {}  # gradient dtype -> `compiled_choice`
 
-    def scale(self, point, upstream, scale_out, again=False):
-        """The point's scale s_n, chosen from `upstream`, the gradients it
-        is about to scale (which carry `scale_out`), and recorded. A layer
+    def scaled(self, point, upstream, scale_out, again=False):
+        """`(s_n, upstream * s_n)`: the point's scale, chosen from
+        `upstream`, the gradients it is about to scale (which carry
+        `scale_out`), and recorded, and those gradients times it. A layer
         called several times inside one enclosing call is one inner point:
         the first of its calls to run backwards chooses.
+
+        In a step traced without XLA, one gradient's choice and multiply
+        are one compiled call (`_compiled`); elsewhere, the same rule's ops.
 
         `again`: this backward pass runs under a tape that records it (a
         gradient penalty's inner gradient, of the unscaled score). Its
@@ -64,16 +71,45 @@ class Choice:
         plain pass (measured on WGAN-GP critics: up to 5 skipped steps
         where Keras skipped 1)."""
         if point in self._used:
-            return self._used[point]
+            scale = self._used[point]
+            return scale, _applied(upstream, scale)
+        scaled = None
         with tf.name_scope("tf_als_choice"):
             scale_out = tf.cast(scale_out, tf.float32)
-            amax = rule.amax_of(upstream)
-            scale = self._choose(point, upstream, scale_out, amax, again)
+            compiled = self._compiled(point, upstream, again)
+            if compiled is not None:
+                product, scale, amax = compiled(upstream[0], self._limit(point), scale_out)
+                scaled = [product]
+            else:
+                amax = rule.amax_of(upstream)
+                scale = self._choose(point, upstream, scale_out, amax, again)
+        if scaled is None:
+            scaled = _applied(upstream, scale)
         with tf.name_scope("tf_als_sample"):
             samples = tuple(tallies.sample(dy) for dy in upstream)
         self.record.put(point, pass_record.PointRecord(scale, scale_out, amax, samples))
         self._used[point] = scale
-        return scale
+        return scale, scaled
+
+    def _compiled(self, point, upstream, again):
+        """The compiled choice (`compiled_choice`) for point `point`'s
+        `upstream`, or None where the rule's own ops serve: eagerly; under
+        XLA, which fuses them itself; for the paper's rule, a pass a tape
+        records (`again`), a synchronized point (`_choose`) and a point
+        with several gradients."""
+        if (
+            again
+            or len(upstream) != 1
+            or self.config.rule == "paper"
+            or (point in self.synchronized and _replicas_in_sync() > 1)
+            or unscaled.traced_graph() is None
+            or _keras.compiled_by_xla()
+        ):
+            return None
+        dtype = upstream[0].dtype
+        if dtype not in self._choices:
+            self._choices[dtype] = compiled_choice(dtype, self.config.max_layer_scale)
+        return self._choices[dtype]
 
     def _choose(self, point, upstream, scale_out, amax, again):
         """`scale`'s choice (float32 scalar), given the float32 `scale_out`
@@ -198,6 +234,46 @@ class Choice:
         `outputs` (once per pass; `_forward_headroom`)."""
         if point not in self._forward:
             self._forward[point] = self._forward_headroom(outputs)
+
+
+def compiled_choice(dtype, max_layer_scale):
+    """One XLA-compiled function from `(gradient, limit, scale_out)` to
+    `(gradient * s, s, amax)`: a point's choice (`rule.amax_of`, then
+    `rule.scale_within` with the limit as its bit pattern) and its
+    multiply, for a gradient of `dtype`, any shape.
+
+    Without XLA, TensorFlow dispatches each of the choice's sixteen-odd
+    scalar ops on its own (a kernel launch each on a GPU); compiled, the
+    step holds one call per point, and the gradient's read for its amax
+    and the multiply are one compiled program (XLA compiles each shape
+    once, at its first run). The points of a pass share one function per
+    gradient dtype.
+
+    >>> choose = compiled_choice(tf.float16, 2.0**15)
+    >>> g = tf.constant([1.0, -3.0], tf.float16)
+    >>> product, scale, amax = choose(g, rule.bits_of(16.0), tf.constant(1.0))
+    >>> product.numpy().tolist(), float(scale), float(amax)
+    ([4.0, -12.0], 4.0, 3.0)
+    """
+
+    def choose(gradient, limit_bits, scale_out):
+        amax = rule.amax_of(gradient)
+        scale = rule.scale_within(amax, limit_bits, max_layer_scale, scale_out)
+        return gradient * tf.cast(scale, gradient.dtype), scale, amax
+
+    return tf.function(
+        choose, jit_compile=True, autograph=False, reduce_retracing=True,
+        input_signature=[
+            tf.TensorSpec(None, dtype), tf.TensorSpec([], tf.int32),
+            tf.TensorSpec([], tf.float32),
+        ],
+    )
+
+
+def _applied(upstream, scale) -> list:
+    """Each of `upstream` times `scale` (in its own dtype)."""
+    with tf.name_scope("tf_als_apply"):
+        return [dy * tf.cast(scale, dy.dtype) for dy in upstream]
 
 
 def row_of(values, point: int) -> tf.Tensor:
