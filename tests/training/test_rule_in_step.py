@@ -17,6 +17,7 @@ import tensorflow as tf
 
 import tf_als
 from tf_als._src.scaling import rule
+from tf_als._src.training import choice
 
 RULE_FUNCTIONS = ("amax_of", "headroom", "scale_within")
 
@@ -56,8 +57,15 @@ def _spy(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
-def test_a_compiled_step_chooses_through_the_tested_rule(mixed, monkeypatch, jit_compile):
+@pytest.mark.parametrize(
+    "jit_compile, xla_runs",
+    [(False, True), (False, False), (True, True)],
+    ids=["graph", "graph-on-a-device-without-xla", "xla"],
+)
+def test_a_compiled_step_chooses_through_the_tested_rule(
+    mixed, monkeypatch, jit_compile, xla_runs
+):
+    monkeypatch.setattr(choice, "_xla_runs", lambda: xla_runs)
     calls = _spy(monkeypatch)
     model = tf_als.instrument(_model())
     optimizer = tf_als.AdaptiveLossScaleOptimizer(
@@ -83,13 +91,13 @@ def test_a_compiled_step_chooses_through_the_tested_rule(mixed, monkeypatch, jit
     chosen, backoff = step()
     points = len(model.scaling_points)
     assert len(chosen) == points == 5
-    # Traced once. Under XLA every point read its amax and chose through
-    # scale_within (amax_of also measures the float16 outputs' forward
-    # headroom: more calls than points). Without it the points call one
-    # compiled choice per gradient dtype, traced once each: the four
-    # float16 Dense layers' and the float32 head's. The headroom was
-    # computed once for the pass.
-    traced = points if jit_compile else 2
+    # Traced once. Under XLA, or where XLA does not run, every point read
+    # its amax and chose through scale_within (amax_of also measures the
+    # float16 outputs' forward headroom: more calls than points). Otherwise
+    # the points call one compiled choice per gradient dtype, traced once
+    # each: the four float16 Dense layers' and the float32 head's. The
+    # headroom was computed once for the pass.
+    traced = 2 if xla_runs and not jit_compile else points
     assert calls["amax_of"] >= traced
     assert calls["scale_within"] == traced
     assert calls["headroom"] == 1
@@ -115,3 +123,18 @@ def tape_free_gradients(variables):
     """Zero gradients of `variables`: `check_finite` of a finite list, to
     state the premise that the step above was applied, not skipped."""
     return [tf.zeros_like(v) for v in variables]
+
+
+def test_the_probe_finds_whether_xla_runs(monkeypatch):
+    # This machine's TensorFlow runs XLA on its CPU (the "graph" case above
+    # relies on it).
+    assert choice._probe() is True
+
+    def no_xla(function, **kwargs):
+        def run(*args):
+            raise tf.errors.UnimplementedError(None, None, "no XLA on this device")
+
+        return run if kwargs.get("jit_compile") else function
+
+    monkeypatch.setattr(tf, "function", no_xla)
+    assert choice._probe() is False
