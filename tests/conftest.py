@@ -12,6 +12,40 @@ import pytest  # noqa: E402
 from tensorflow.python.framework import ops  # noqa: E402
 
 
+# The slow suite's longest tests, longest first, with their durations on
+# the two shared CI cores (seconds, 2026-12-07). pytest-xdist hands tests to
+# its two workers in collection order, two or three ahead of the one
+# running, so one of these near the end of the order (ConvNeXtTiny's skips
+# test is the last of tests/training/test_skips.py) runs alone while the
+# other worker has finished. Run first, they are spread over both workers
+# and the short tests fill in after them. A prefix matches every
+# parametrisation.
+LONGEST_FIRST = (
+    "tests/failures/test_failures.py::test_the_float16_softmax_top_of_efficientnet",  # 423
+    "tests/test_demo.py::test_default_demo_shows_both_things_tf_als_does",  # 239
+    "tests/failures/test_failures.py::test_tf_als_trains_like_the_manual_fix[soft_dice]",  # 236
+    "tests/failures/test_failures.py::test_tf_als_trains_like_the_manual_fix[instance_norm]",  # 230
+    "tests/model/test_properties.py::test_gradient_oracle_many",  # 217 and 190
+    "tests/test_oracle.py::test_inner_optimizer_receives_float32_faithful_gradients[densenet121",  # 186
+    "tests/training/test_skips.py::test_convnext_skips_no_more_than_keras",  # 177
+    "tests/monitoring/test_report.py::test_works_on_keras_applications[ConvNeXtTiny]",  # 177
+    "tests/test_gpu_check.py::test_gpu_check_prints_its_table_on_a_cpu",  # 166
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Moves the tests of `LONGEST_FIRST` to the front, in its order (a
+    stable sort: everything else keeps its collection order)."""
+
+    def rank(item):
+        for i, prefix in enumerate(LONGEST_FIRST):
+            if item.nodeid.startswith(prefix):
+                return i
+        return len(LONGEST_FIRST)
+
+    items.sort(key=rank)
+
+
 def pytest_collection_finish(session):
     """Moves what importing TensorFlow, Keras, KerasHub and the test
     modules made (about 450,000 objects that live as long as the process)
