@@ -13,10 +13,13 @@ and metrics); then the model's own `train_step` is traced in a fresh
 `tf.function` on one batch, as Keras's `fit` traces it, and its graph is
 counted: the nodes of the step's graph plus those of every function in its
 library, constants apart. A point is a scaling point of the instrumented
-model (`tf_als.points`).
+model (`tf_als.points`). The ops inside a function that XLA compiles (a
+`tf.function(jit_compile=True)` the step calls) run as one program: they
+are counted, and told apart from the ops dispatched one by one.
 
 Printed: per model, the ops and functions of each variant, tf_als's extra
-ops per point (all, and without constants), and the op types that account
+ops per point (all; without constants; of those, the ones dispatched one
+by one, outside compiled functions), and the op types that account
 for the extra, per point. Where tf_als's code names what an op is for
 (name scopes `tf_als_<part>`), the extra is also split by part.
 
@@ -123,22 +126,27 @@ def traced_step(variant, name):
 
 def count(graph_def):
     """{"ops": Counter of op types (constants included), "functions": n,
-    "parts": Counter of tf_als parts (non-constant ops)} of a step."""
+    "parts": Counter of tf_als parts (non-constant ops), "places": Counter
+    of where the other non-constant ops sit, "compiled": how many
+    non-constant ops are inside functions XLA compiles} of a step."""
     ops, parts, places = collections.Counter(), collections.Counter(), collections.Counter()
-    nodes = [(n.name, n.op) for n in graph_def.node]
+    nodes = [(n.name, n.op, False) for n in graph_def.node]
     for function in graph_def.library.function:
-        nodes += [(n.name, n.op) for n in function.node_def]
-    for node_name, op in nodes:
+        inside = function.attr["_XlaMustCompile"].b
+        nodes += [(n.name, n.op, inside) for n in function.node_def]
+    compiled = 0
+    for node_name, op, inside in nodes:
         ops[op] += 1
         if op == "Const":
             continue
+        compiled += inside
         found = _PART.search(node_name)
         if found:
             parts[found.group(1)] += 1
         else:
             places[_place(node_name)] += 1
     return {"ops": ops, "functions": len(graph_def.library.function),
-            "parts": parts, "places": places}
+            "parts": parts, "places": places, "compiled": compiled}
 
 
 def _place(node_name):
@@ -166,9 +174,11 @@ def report(name, result, types):
     k_ops, a_ops = sum(k["ops"].values()), sum(a["ops"].values())
     extra = a_ops - k_ops
     extra_nonconst = extra - (a["ops"]["Const"] - k["ops"]["Const"])
+    dispatched = extra_nonconst - (a["compiled"] - k["compiled"])
     lines = [
         f"| {name} | {points} | {k_ops:,} | {a_ops:,} | {extra / points:.0f} "
-        f"| {extra_nonconst / points:.0f} | {k['functions']} / {a['functions']} |"
+        f"| {extra_nonconst / points:.0f} | {dispatched / points:.0f} "
+        f"| {k['functions']} / {a['functions']} |"
     ]
     diff = {op: a["ops"][op] - k["ops"][op] for op in set(a["ops"]) | set(k["ops"])}
     top = sorted(diff.items(), key=lambda item: -abs(item[1]))[:types]
@@ -194,8 +204,9 @@ def main(argv=None):
                         help="how many op types to list per model (default 10)")
     args = parser.parse_args(argv)
     print("| model | points | Keras: ops | tf_als: ops | extra ops per point "
-          "| of which not constants | functions, Keras / tf_als |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
+          "| of which not constants | of those, dispatched one by one "
+          "| functions, Keras / tf_als |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     notes = []
     for name in args.models:
         lines = report(name, measure(name), args.types)

@@ -17,7 +17,7 @@ import tensorflow as tf
 
 import tf_als
 from tf_als._src.scaling import rule
-from tf_als._src.training import choice
+from tf_als._src.training import compiled
 
 RULE_FUNCTIONS = ("amax_of", "headroom", "scale_within")
 
@@ -65,7 +65,7 @@ def _spy(monkeypatch):
 def test_a_compiled_step_chooses_through_the_tested_rule(
     mixed, monkeypatch, jit_compile, xla_runs
 ):
-    monkeypatch.setattr(choice, "_xla_runs", lambda: xla_runs)
+    monkeypatch.setattr(compiled, "xla_runs", lambda: xla_runs)
     calls = _spy(monkeypatch)
     model = tf_als.instrument(_model())
     optimizer = tf_als.AdaptiveLossScaleOptimizer(
@@ -128,7 +128,7 @@ def tape_free_gradients(variables):
 def test_the_probe_finds_whether_xla_runs(monkeypatch):
     # This machine's TensorFlow runs XLA on its CPU (the "graph" case above
     # relies on it).
-    assert choice._probe() is True
+    assert compiled._probe() is True
 
     def no_xla(function, **kwargs):
         def run(*args):
@@ -137,4 +137,4 @@ def test_the_probe_finds_whether_xla_runs(monkeypatch):
         return run if kwargs.get("jit_compile") else function
 
     monkeypatch.setattr(tf, "function", no_xla)
-    assert choice._probe() is False
+    assert compiled._probe() is False

@@ -15,14 +15,13 @@ due, and otherwise applies the scale in the state. `backward.Backward`
 asks, and differentiates the point's call from the scaled gradients.
 """
 
-import functools
-
 import tensorflow as tf
 
 from tf_als._src.model import _keras
 from tf_als._src.scaling import config as config_module
 from tf_als._src.scaling import rule
 from tf_als._src.scaling import tallies
+from tf_als._src.training import compiled
 from tf_als._src.training import pass_record
 from tf_als._src.training import unscaled
 
@@ -95,9 +94,9 @@ class Choice:
 
     def _compiled(self, point, upstream, again):
         """The compiled choice (`compiled_choice`) for point `point`'s
-        `upstream`, or None where the rule's own ops serve: eagerly; under
-        XLA, which fuses them itself; where XLA does not run (`_xla_runs`);
-        for the paper's rule, a pass a tape records (`again`), a
+        `upstream`, or None where the rule's own ops serve: where
+        `compiled.wanted` says no (eagerly, under XLA, where XLA does not
+        run), for the paper's rule, a pass a tape records (`again`), a
         synchronized point (`_choose`) and a point with several
         gradients."""
         if (
@@ -105,9 +104,7 @@ class Choice:
             or len(upstream) != 1
             or self.config.rule == "paper"
             or (point in self.synchronized and _replicas_in_sync() > 1)
-            or unscaled.traced_graph() is None
-            or _keras.compiled_by_xla()
-            or not _xla_runs()
+            or not compiled.wanted()
         ):
             return None
         dtype = upstream[0].dtype
@@ -299,27 +296,6 @@ def row_of(values, point: int) -> tf.Tensor:
     values = tf.convert_to_tensor(values)
     mask = tf.one_hot(point, values.shape[0], on_value=True, off_value=False)
     return tf.reduce_max(tf.where(mask, values, tf.zeros_like(values)))
-
-
-@functools.cache
-def _xla_runs() -> bool:
-    """Whether a function compiled by XLA runs on the default device, found
-    once per process by running one (`_probe`). Not every device has XLA:
-    Keras, for one, does not compile its step on an Apple GPU under
-    tensorflow-metal. Where it does not, the choice is the rule's own ops,
-    which compute the same scales."""
-    return _probe()
-
-
-def _probe() -> bool:
-    """Runs a two-element float16 sum compiled by XLA, eagerly on the
-    default device: True if it ran, False if TensorFlow could not run it."""
-    with tf.init_scope():
-        try:
-            tf.function(lambda x: x + x, jit_compile=True)(tf.ones([2], tf.float16))
-        except tf.errors.OpError:
-            return False
-    return True
 
 
 def _replicas_in_sync() -> int:
