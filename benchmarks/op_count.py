@@ -13,13 +13,16 @@ and metrics); then the model's own `train_step` is traced in a fresh
 `tf.function` on one batch, as Keras's `fit` traces it, and its graph is
 counted: the nodes of the step's graph plus those of every function in its
 library, constants apart. A point is a scaling point of the instrumented
-model (`tf_als.points`). The ops inside a function that XLA compiles (a
-`tf.function(jit_compile=True)` the step calls) run as one program: they
-are counted, and told apart from the ops dispatched one by one.
+model (`tf_als.points`). Two kinds of counted ops are not dispatched on
+their own: those inside a function that XLA compiles (a
+`tf.function(jit_compile=True)` the step calls), which run as one program,
+and those nothing the step returns or changes needs, which TensorFlow
+prunes before the step runs (`live_nodes`). The last column leaves both
+out: what a step without XLA dispatches one by one.
 
 Printed: per model, the ops and functions of each variant, tf_als's extra
 ops per point (all; without constants; of those, the ones dispatched one
-by one, outside compiled functions), and the op types that account
+by one), and the op types that account
 for the extra, per point. Where tf_als's code names what an op is for
 (name scopes `tf_als_<part>`), the extra is also split by part.
 
@@ -100,7 +103,8 @@ def build(name):
 
 
 def traced_step(variant, name):
-    """(graph_def of the traced train step, number of scaling points)."""
+    """(graph_def of the traced train step, its fetches, number of
+    scaling points)."""
     import keras
     import tensorflow as tf
 
@@ -120,33 +124,80 @@ def traced_step(variant, name):
     model.fit(x, y, batch_size=len(y), epochs=1, verbose=0)
     data = (tf.nest.map_structure(tf.convert_to_tensor, x), tf.convert_to_tensor(y))
     step = tf.function(model.train_step, reduce_retracing=True)
-    graph_def = step.get_concrete_function(data).graph.as_graph_def()
-    return graph_def, points
+    return (*graph_and_fetches(step.get_concrete_function(data).graph), points)
 
 
-def count(graph_def):
+def graph_and_fetches(graph):
+    """(graph_def, names of the nodes the traced function's outputs and
+    side effects are) of a `tf.function`'s traced graph."""
+    fetches = [t.op.name for t in graph.outputs] + [op.name for op in graph.control_outputs]
+    return graph.as_graph_def(), fetches
+
+
+def live_nodes(graph_def, fetches):
+    """{(function name, or None for the step's own graph, node name)} of
+    the nodes that run: those the step's outputs and side effects
+    (`fetches`) need, through the functions the needed nodes call (their
+    returns and side effects). TensorFlow prunes the rest before the step
+    runs (zeros the tape makes for inputs no one reads, a product a later
+    op replaces). Both branches of a conditional count."""
+    functions = {f.signature.name: f for f in graph_def.library.function}
+    live, entered = set(), set()
+
+    def walk(scope, nodes, roots):
+        todo = list(roots)
+        while todo:
+            name = todo.pop()
+            if name not in nodes or (scope, name) in live:
+                continue
+            live.add((scope, name))
+            node = nodes[name]
+            todo += [ref.lstrip("^").split(":")[0] for ref in node.input]
+            for attr in node.attr.values():
+                called = [attr.func.name] if attr.HasField("func") else []
+                for function_name in called + [f.name for f in attr.list.func]:
+                    if function_name in functions and function_name not in entered:
+                        entered.add(function_name)
+                        function = functions[function_name]
+                        walk(
+                            function_name,
+                            {n.name: n for n in function.node_def},
+                            [r.split(":")[0] for r in function.ret.values()]
+                            + list(function.control_ret.values()),
+                        )
+
+    walk(None, {n.name: n for n in graph_def.node}, fetches)
+    return live
+
+
+def count(graph_def, fetches):
     """{"ops": Counter of op types (constants included), "functions": n,
     "parts": Counter of tf_als parts (non-constant ops), "places": Counter
-    of where the other non-constant ops sit, "compiled": how many
-    non-constant ops are inside functions XLA compiles} of a step."""
+    of where the other non-constant ops sit, "dispatched": how many
+    non-constant ops run one by one: live (`live_nodes`) and outside the
+    functions XLA compiles} of a step."""
     ops, parts, places = collections.Counter(), collections.Counter(), collections.Counter()
-    nodes = [(n.name, n.op, False) for n in graph_def.node]
+    live = live_nodes(graph_def, fetches)
+    nodes = [(n.name, n.op, False, (None, n.name) in live) for n in graph_def.node]
     for function in graph_def.library.function:
         inside = function.attr["_XlaMustCompile"].b
-        nodes += [(n.name, n.op, inside) for n in function.node_def]
-    compiled = 0
-    for node_name, op, inside in nodes:
+        scope = function.signature.name
+        nodes += [
+            (n.name, n.op, inside, (scope, n.name) in live) for n in function.node_def
+        ]
+    dispatched = 0
+    for node_name, op, inside, runs in nodes:
         ops[op] += 1
         if op == "Const":
             continue
-        compiled += inside
+        dispatched += runs and not inside
         found = _PART.search(node_name)
         if found:
             parts[found.group(1)] += 1
         else:
             places[_place(node_name)] += 1
     return {"ops": ops, "functions": len(graph_def.library.function),
-            "parts": parts, "places": places, "compiled": compiled}
+            "parts": parts, "places": places, "dispatched": dispatched}
 
 
 def _place(node_name):
@@ -163,9 +214,10 @@ def _place(node_name):
 def measure(name):
     """Both variants' counts of model `name`, each built in this process
     (the graphs are counted, not run, so they do not disturb each other)."""
-    keras_def, _ = traced_step("keras", name)
-    als_def, points = traced_step("tf_als", name)
-    return {"keras": count(keras_def), "tf_als": count(als_def), "points": points}
+    keras_def, keras_fetches, _ = traced_step("keras", name)
+    als_def, als_fetches, points = traced_step("tf_als", name)
+    return {"keras": count(keras_def, keras_fetches),
+            "tf_als": count(als_def, als_fetches), "points": points}
 
 
 def report(name, result, types):
@@ -174,7 +226,7 @@ def report(name, result, types):
     k_ops, a_ops = sum(k["ops"].values()), sum(a["ops"].values())
     extra = a_ops - k_ops
     extra_nonconst = extra - (a["ops"]["Const"] - k["ops"]["Const"])
-    dispatched = extra_nonconst - (a["compiled"] - k["compiled"])
+    dispatched = a["dispatched"] - k["dispatched"]
     lines = [
         f"| {name} | {points} | {k_ops:,} | {a_ops:,} | {extra / points:.0f} "
         f"| {extra_nonconst / points:.0f} | {dispatched / points:.0f} "

@@ -22,9 +22,11 @@ import op_count  # noqa: E402
 # choice, one function per gradient dtype that every point shares).
 MAX_EXTRA_OPS_PER_POINT = 60
 MAX_FUNCTIONS = 10
-# Of those 60, the ops dispatched one by one (outside the compiled choice,
-# whose ops run as one program): 54.
-MAX_DISPATCHED_PER_POINT = 54
+# Of those 60, the ops dispatched one by one: not inside the compiled
+# choice, whose ops run as one program, and not pruned before the step
+# runs (the tape's zeros for a custom gradient's inputs, the unscaled
+# products the optimizer's division replaces): 49.
+MAX_DISPATCHED_PER_POINT = 49
 
 
 def test_the_cnn_step_stays_within_the_op_ceiling():
@@ -36,9 +38,40 @@ def test_the_cnn_step_stays_within_the_op_ceiling():
     extra -= als_ops["Const"] - keras_ops["Const"]
     assert extra > 0  # A count that found no tf_als op measured nothing.
     assert extra / points <= MAX_EXTRA_OPS_PER_POINT, extra / points
-    dispatched = extra - (result["tf_als"]["compiled"] - result["keras"]["compiled"])
+    dispatched = result["tf_als"]["dispatched"] - result["keras"]["dispatched"]
+    assert 0 < dispatched <= extra
     assert dispatched / points <= MAX_DISPATCHED_PER_POINT, dispatched / points
     assert result["keras"]["functions"] <= 4
     assert result["tf_als"]["functions"] <= MAX_FUNCTIONS
     # The parts tf_als names are found (the per-part split in the report).
     assert {"choice", "forward", "update"} <= set(result["tf_als"]["parts"])
+
+
+def test_live_nodes_are_what_the_outputs_and_side_effects_need():
+    import tensorflow as tf
+
+    variable = tf.Variable(1.0)
+
+    @tf.function(jit_compile=True)
+    def compiled(x):
+        return x * 3.0
+
+    @tf.function
+    def step(x):
+        tf.square(x)  # Needed by nothing: pruned.
+        variable.assign_add(tf.reduce_sum(x))  # A side effect: runs.
+        return compiled(x) + 1.0
+
+    graph_def, fetches = op_count.graph_and_fetches(
+        step.get_concrete_function(tf.TensorSpec([2])).graph
+    )
+    live = op_count.live_nodes(graph_def, fetches)
+    ops = {(None, n.name): n.op for n in graph_def.node}
+    for function in graph_def.library.function:
+        ops.update({(function.signature.name, n.name): n.op for n in function.node_def})
+    live_ops = sorted(ops[key] for key in live)
+    dead_ops = sorted(ops[key] for key in set(ops) - live)
+    assert "Square" in dead_ops and "Square" not in live_ops
+    assert {"AssignAddVariableOp", "Sum", "AddV2"} <= set(live_ops)
+    # The compiled function is entered through its call: its multiply runs.
+    assert "Mul" in live_ops
