@@ -77,9 +77,9 @@ class Choice:
         scaled = None
         with tf.name_scope("tf_als_choice"):
             scale_out = tf.cast(scale_out, tf.float32)
-            compiled = self._compiled(point, upstream, again)
-            if compiled is not None:
-                product, scale, amax = compiled(upstream[0], self._limit(point), scale_out)
+            choose = self._compiled(point, upstream, again)
+            if choose is not None:
+                product, scale, amax = choose(upstream[0], self._limit(point), scale_out)
                 scaled = [product]
             else:
                 amax = rule.amax_of(upstream)
