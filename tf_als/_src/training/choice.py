@@ -260,10 +260,10 @@ def compiled_choice(dtype, max_layer_scale):
     def choose(gradient, limit_bits, scale_out):
         amax = rule.amax_of(gradient)
         scale = rule.scale_within(amax, limit_bits, max_layer_scale, scale_out)
-        return gradient * tf.cast(scale, gradient.dtype), scale, amax
+        return _applied([gradient], scale)[0], scale, amax
 
     return tf.function(
-        choose, jit_compile=True, autograph=False, reduce_retracing=True,
+        choose, jit_compile=True, autograph=False,
         input_signature=[
             tf.TensorSpec(None, dtype), tf.TensorSpec([], tf.int32),
             tf.TensorSpec([], tf.float32),
