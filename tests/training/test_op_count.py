@@ -15,18 +15,23 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import op_count  # noqa: E402
 
-# Measured on this code: 60.0 extra non-constant ops per point and 10
+# Measured on this code: 62.3 extra non-constant ops per point and 10
 # functions in the step's library (Keras's step has 4; tf_als adds the
 # optimizer's telemetry branch, the forward headroom's branch, whose two
 # functions every point with a float16 output shares, and the compiled
 # choice, one function per gradient dtype that every point shares).
-MAX_EXTRA_OPS_PER_POINT = 60
+# Raised from 60 when the compiled choice gave its gradient's read and
+# multiply back to the step (3 ops a point more on ResNet50, GPT-2 and
+# BERT): compiled with them, XLA compiled it once per gradient shape (a
+# DenseNet121's first `fit` took 33-40 s against 31-33 s; Keras's 21-27).
+MAX_EXTRA_OPS_PER_POINT = 63
 MAX_FUNCTIONS = 10
-# Of those 60, the ops dispatched one by one: not inside the compiled
+# Of those 62.3, the ops dispatched one by one: not inside the compiled
 # choice, whose ops run as one program, and not pruned before the step
 # runs (the tape's zeros for a custom gradient's inputs, the unscaled
-# products the optimizer's division replaces): 49.
-MAX_DISPATCHED_PER_POINT = 49
+# products the optimizer's division replaces): 53 (49 before the change
+# above).
+MAX_DISPATCHED_PER_POINT = 53
 
 
 def test_the_cnn_step_stays_within_the_op_ceiling():

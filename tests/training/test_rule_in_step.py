@@ -17,9 +17,10 @@ import tensorflow as tf
 
 import tf_als
 from tf_als._src.scaling import rule
+from tf_als._src.training import choice
 from tf_als._src.training import compiled
 
-RULE_FUNCTIONS = ("amax_of", "headroom", "scale_within")
+RULE_FUNCTIONS = ("amax_of", "amax_reduction", "headroom", "scale_within")
 
 
 def _model():
@@ -66,6 +67,9 @@ def test_a_compiled_step_chooses_through_the_tested_rule(
     mixed, monkeypatch, jit_compile, xla_runs
 ):
     monkeypatch.setattr(compiled, "xla_runs", lambda: xla_runs)
+    # The compiled choices are made once per process: made anew here,
+    # their traces are this test's.
+    choice.compiled_choice.cache_clear()
     calls = _spy(monkeypatch)
     model = tf_als.instrument(_model())
     optimizer = tf_als.AdaptiveLossScaleOptimizer(
@@ -94,11 +98,13 @@ def test_a_compiled_step_chooses_through_the_tested_rule(
     # Traced once. Under XLA, or where XLA does not run, every point read
     # its amax and chose through scale_within (amax_of also measures the
     # float16 outputs' forward headroom: more calls than points). Otherwise
-    # the points call one compiled choice per gradient dtype, traced once
-    # each: the four float16 Dense layers' and the float32 head's. The
-    # headroom was computed once for the pass.
-    traced = 2 if xla_runs and not jit_compile else points
-    assert calls["amax_of"] >= traced
+    # every point read its gradient (`rule.amax_reduction`) and called one
+    # compiled choice per gradient dtype, traced once each: the four
+    # float16 Dense layers' and the float32 head's. The headroom was
+    # computed once for the pass.
+    compiled_step = xla_runs and not jit_compile
+    traced = 2 if compiled_step else points
+    assert calls["amax_reduction" if compiled_step else "amax_of"] >= points
     assert calls["scale_within"] == traced
     assert calls["headroom"] == 1
 

@@ -351,9 +351,31 @@ def _amax(gradient) -> tf.Tensor:
     comparison the rule and the finiteness check make, without a fifth op
     to clamp it.
     """
+    return amax_from_reduction(amax_reduction(gradient), gradient.dtype)
+
+
+def amax_reduction(gradient) -> tf.Tensor:
+    """`_amax`'s one read of `gradient`: the largest of its bit patterns
+    with the sign cleared (an integer scalar of its width), or, for a
+    dtype without one here, its largest magnitude in its own dtype.
+    `amax_from_reduction` makes it the float32 amax: apart, so that a
+    compiled function can take that scalar step (`choice.compiled_choice`).
+
+    >>> reduced = amax_reduction(tf.constant([1.0, -3.0], tf.float16))
+    >>> reduced.dtype.name, float(amax_from_reduction(reduced, tf.float16))
+    ('int16', 3.0)
+    """
     if gradient.dtype not in _BITS:
-        return tf.cast(tf.reduce_max(tf.abs(gradient)), tf.float32)
-    return tf.cast(tf.bitcast(_largest_bits(gradient), gradient.dtype), tf.float32)
+        return tf.reduce_max(tf.abs(gradient))
+    return _largest_bits(gradient)
+
+
+def amax_from_reduction(reduced, dtype) -> tf.Tensor:
+    """The float32 amax of a tensor of `dtype` whose `amax_reduction` is
+    `reduced`."""
+    if dtype not in _BITS:
+        return tf.cast(reduced, tf.float32)
+    return tf.cast(tf.bitcast(reduced, dtype), tf.float32)
 
 
 def _largest_bits(gradient) -> tf.Tensor:

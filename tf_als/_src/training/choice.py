@@ -8,12 +8,15 @@ weight gradients showed on its last steps, `rule.produced_headroom`;
 `rule.scale_within`), with the knobs of the model's `config.ScalingConfig`
 and the global scale's back-off and the gains from its state: one
 max-reduction and a few scalar ops per point, no branch, and no variable
-written; in a step traced without XLA, one compiled call per point
-(`compiled_choice`) that also applies the scale. Under the paper's rule
-(`rule="paper"`) a point re-chooses only when the state says an update is
-due, and otherwise applies the scale in the state. `backward.Backward`
-asks, and differentiates the point's call from the scaled gradients.
+written; in a step traced without XLA, the scalar ops are one call per
+point of a function XLA compiles once per process (`compiled_choice`).
+Under the paper's rule (`rule="paper"`) a point re-chooses only when
+the state says an update is due, and otherwise applies the scale in the
+state. `backward.Backward` asks, and differentiates the point's call from
+the scaled gradients.
 """
+
+import functools
 
 import tensorflow as tf
 
@@ -52,7 +55,6 @@ class Choice:
         self._forward = {}  # point -> its forward headroom, [2]
         self._due = {}  # graph (None: eager) -> telemetry step?
         self._kinds = {}  # outputs' dtypes -> `_branches`
-        self._choices = {}  # gradient dtype -> `compiled_choice`
 
     def scaled(self, point, upstream, scale_out, again=False):
         """`(s_n, upstream * s_n)`: the point's scale, chosen from
@@ -61,8 +63,9 @@ class Choice:
         called several times inside one enclosing call is one inner point:
         the first of its calls to run backwards chooses.
 
-        In a step traced without XLA, one gradient's choice and multiply
-        are one compiled call (`_compiled`); elsewhere, the same rule's ops.
+        In a step traced without XLA, the scalar ops of one gradient's
+        choice are one compiled call (`_compiled`); elsewhere, the rule's
+        ops one by one.
 
         `again`: this backward pass runs under a tape that records it (a
         gradient penalty's inner gradient, of the unscaled score). Its
@@ -79,8 +82,9 @@ class Choice:
             scale_out = tf.cast(scale_out, tf.float32)
             choose = self._compiled(point, upstream, again)
             if choose is not None:
-                product, scale, amax = choose(upstream[0], self._limit(point), scale_out)
-                scaled = [product]
+                reduced = rule.amax_reduction(upstream[0])
+                scale, cast, amax = choose(reduced, self._limit(point), scale_out)
+                scaled = _applied(upstream, cast)
             else:
                 amax = rule.amax_of(upstream)
                 scale = self._choose(point, upstream, scale_out, amax, again)
@@ -107,10 +111,7 @@ class Choice:
             or not compiled.wanted()
         ):
             return None
-        dtype = upstream[0].dtype
-        if dtype not in self._choices:
-            self._choices[dtype] = compiled_choice(dtype, self.config.max_layer_scale)
-        return self._choices[dtype]
+        return compiled_choice(upstream[0].dtype, self.config.max_layer_scale)
 
     def _choose(self, point, upstream, scale_out, amax, again):
         """`scale`'s choice (float32 scalar), given the float32 `scale_out`
@@ -237,38 +238,36 @@ class Choice:
             self._forward[point] = self._forward_headroom(outputs)
 
 
-def compiled_choice(dtype, max_layer_scale):
-    """One XLA-compiled function from `(gradient, limit, scale_out)` to
-    `(gradient * s, s, amax)`: a point's choice (`rule.amax_of`, then
-    `rule.scale_within` with the limit as its bit pattern) and its
-    multiply, for a gradient of `dtype`, any shape.
+@functools.cache
+def compiled_choice(dtype, max_layer_scale: float):
+    """One XLA-compiled function from `(reduced, limit_bits, scale_out)` to
+    `(s, s in dtype, amax)`: the scalar ops of a point's choice for a
+    gradient of `dtype` whose `rule.amax_reduction` is `reduced`
+    (`rule.amax_from_reduction`, then `rule.scale_within` with the limit
+    as its bit pattern), and the scale cast for the multiply.
 
-    Without XLA, TensorFlow dispatches each of the choice's sixteen-odd
-    scalar ops on its own (a kernel launch each on a GPU); compiled, the
-    step holds one call per point, and the gradient's read for its amax
-    and the multiply are one compiled program (XLA compiles each shape
-    once, at its first run). The points of a pass share one function per
-    gradient dtype.
+    Without XLA, TensorFlow dispatches each of those dozen-odd scalar ops
+    on its own (a kernel launch each on a GPU); compiled, they are one
+    call. The gradient's read and its multiply stay outside: every input
+    is a scalar, so XLA compiles the function once per process and device
+    whatever the gradients' shapes, and every point of every model with
+    that dtype and ceiling calls it (compiled per gradient shape, a
+    DenseNet121's first `fit` took 2-9 s longer).
 
     >>> choose = compiled_choice(tf.float16, 2.0**15)
-    >>> g = tf.constant([1.0, -3.0], tf.float16)
-    >>> product, scale, amax = choose(g, rule.bits_of(16.0), tf.constant(1.0))
-    >>> product.numpy().tolist(), float(scale), float(amax)
-    ([4.0, -12.0], 4.0, 3.0)
+    >>> reduced = rule.amax_reduction(tf.constant([1.0, -3.0], tf.float16))
+    >>> scale, cast, amax = choose(reduced, rule.bits_of(16.0), tf.constant(1.0))
+    >>> float(scale), cast.dtype.name, float(amax)
+    (4.0, 'float16', 3.0)
     """
 
-    def choose(gradient, limit_bits, scale_out):
-        amax = rule.amax_of(gradient)
+    def choose(reduced, limit_bits, scale_out):
+        amax = rule.amax_from_reduction(reduced, dtype)
         scale = rule.scale_within(amax, limit_bits, max_layer_scale, scale_out)
-        return _applied([gradient], scale)[0], scale, amax
+        return scale, tf.cast(scale, dtype), amax
 
-    return tf.function(
-        choose, jit_compile=True, autograph=False,
-        input_signature=[
-            tf.TensorSpec(None, dtype), tf.TensorSpec([], tf.int32),
-            tf.TensorSpec([], tf.float32),
-        ],
-    )
+    # Every input is a scalar tensor of one dtype: one trace.
+    return tf.function(choose, jit_compile=True, autograph=False)
 
 
 def _applied(upstream, scale) -> list:

@@ -1,9 +1,9 @@
 """Where a step traced without XLA calls a small function that XLA compiles.
 
 Without XLA, TensorFlow dispatches each op of a step on its own (a kernel
-launch each on a GPU), however small its tensor. A point's choice of its
-scale and the multiply by it are one call of a compiled function
-(`choice.compiled_choice`) instead of sixteen-odd ops one by one.
+launch each on a GPU), however small its tensor. The scalar ops of a
+point's choice of its scale are one call of a compiled function
+(`choice.compiled_choice`) instead of a dozen-odd ops one by one.
 `wanted()` says where that holds: in a graph being traced, that XLA does
 not compile already (under XLA the step fuses those ops itself), on a
 device where XLA runs.
