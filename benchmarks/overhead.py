@@ -1,7 +1,8 @@
 """What tf_als costs next to Keras's LossScaleOptimizer, measured side by side.
 
 For each model (a residual CNN, keras.applications ResNet50 at 32x32 and a
-KerasHub GPT-2 with a tiny config; `--models` adds `gpt2_mid`, a 4-layer
+KerasHub GPT-2 with a tiny config; `--models` adds `densenet121`
+(keras.applications, 32x32), `gpt2_mid`, a 4-layer
 GPT-2 of hidden size 256 on 128 tokens, `bert_base`, a KerasHub BERT of
 BERT-base's shape (12 layers, hidden size 768) on 32 tokens, and `unet`, a
 4-level U-Net at 64x64 with a sigmoid output), with XLA off and on, one process
@@ -80,6 +81,8 @@ SETTINGS = {
     ("cnn", "on"): (32, 20, 3),
     ("resnet50", "off"): (4, 10, 1),
     ("resnet50", "on"): (4, 20, 3),
+    ("densenet121", "off"): (4, 10, 1),
+    ("densenet121", "on"): (4, 20, 3),
     ("gpt2", "off"): (None, 20, 3),
     ("gpt2", "on"): (None, 20, 3),
     ("gpt2_mid", "off"): (8, 10, 3),
@@ -89,6 +92,11 @@ SETTINGS = {
     ("unet", "off"): (4, 10, 3),
     ("unet", "on"): (8, 10, 3),
 }
+# keras.applications models, at 32x32. DenseNet121's 242 weight-owning
+# layers have 70 distinct output shapes (its dense blocks' inputs grow by 32
+# channels a layer): what costs set-up wherever something is compiled per
+# shape.
+APPLICATIONS = {"resnet50": "ResNet50", "densenet121": "DenseNet121"}
 # A BERT-base-shaped encoder (12 layers, hidden size 768, 12 heads) at a
 # short sequence: the number and size of its points are BERT-base's, the
 # vocabulary is small so that the embedding does not dominate memory.
@@ -193,8 +201,8 @@ def build(name, blocks, batch):
         x = rng.normal(size=(batch, UNET_SIZE, UNET_SIZE, 3)).astype("float32")
         masks = (x.mean(axis=-1, keepdims=True) > 0).astype("float32")
         return model, keras.losses.BinaryCrossentropy(), x, masks, batch
-    if name == "resnet50":
-        model = keras.applications.ResNet50(
+    if name in APPLICATIONS:
+        model = getattr(keras.applications, APPLICATIONS[name])(
             weights=None, input_shape=(32, 32, 3), classes=10, classifier_activation=None
         )
         size = 32
