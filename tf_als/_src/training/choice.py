@@ -251,8 +251,9 @@ def compiled_choice(dtype, max_layer_scale: float):
     call. The gradient's read and its multiply stay outside: every input
     is a scalar, so XLA compiles the function once per process and device
     whatever the gradients' shapes, and every point of every model with
-    that dtype and ceiling calls it (compiled per gradient shape, it took
-    5 s of compiling for a DenseNet121's 70 output shapes on a CPU).
+    that dtype and ceiling calls it (a function of the gradient itself
+    compiles once per shape: 5 s for a DenseNet121's 70 output shapes on
+    a CPU).
 
     >>> choose = compiled_choice(tf.float16, 2.0**15)
     >>> reduced = rule.amax_reduction(tf.constant([1.0, -3.0], tf.float16))
