@@ -144,3 +144,30 @@ def test_the_probe_finds_whether_xla_runs(monkeypatch):
 
     monkeypatch.setattr(tf, "function", no_xla)
     assert compiled._probe() is False
+
+
+def test_one_compiled_choice_serves_every_shape_and_model(mixed, monkeypatch):
+    # Its inputs are scalars, so XLA compiles it once per process, not once
+    # per gradient shape (5 s for a DenseNet121's 70 shapes on a CPU): two
+    # models of different widths, trained without XLA, trace the float16
+    # choice once between them, and that trace is of scalars.
+    monkeypatch.setattr(compiled, "xla_runs", lambda: True)
+    choice.compiled_choice.cache_clear()
+    x, y = _data()
+    for width in (8, 24):
+        inputs = keras.Input((16,))
+        hidden = keras.layers.Dense(width, activation="tanh")(inputs)
+        outputs = keras.layers.Dense(4, dtype="float32")(hidden)
+        model = tf_als.instrument(keras.Model(inputs, outputs))
+        optimizer = tf_als.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(1e-3))
+        model.compile(optimizer, "mse", jit_compile=False)
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    max_layer_scale = optimizer.scaling_config.max_layer_scale
+    choose = choice.compiled_choice(tf.float16, max_layer_scale)
+    assert choose.experimental_get_tracing_count() == 1
+    # Asking for the scalar signature finds that trace: nothing new traced.
+    choose.get_concrete_function(
+        tf.TensorSpec([], tf.int16), tf.TensorSpec([], tf.int32),
+        tf.TensorSpec([], tf.float32),
+    )
+    assert choose.experimental_get_tracing_count() == 1
