@@ -246,7 +246,7 @@ def amaxes_of(tensors) -> list:
         groups.setdefault(t.dtype, []).append((i, _largest_bits(t)))
     for dtype, members in groups.items():
         stacked = tf.stack([bits for _, bits in members])
-        floats = tf.cast(tf.bitcast(stacked, dtype), tf.float32)
+        floats = amax_from_reduction(stacked, dtype)
         for (i, _), value in zip(members, tf.unstack(floats)):
             values[i] = value
     return values
@@ -372,7 +372,8 @@ def amax_reduction(gradient) -> tf.Tensor:
 
 def amax_from_reduction(reduced, dtype) -> tf.Tensor:
     """The float32 amax of a tensor of `dtype` whose `amax_reduction` is
-    `reduced`."""
+    `reduced` (elementwise: a stack of several tensors' reductions gives
+    their amaxes)."""
     if dtype not in _BITS:
         return tf.cast(reduced, tf.float32)
     return tf.cast(tf.bitcast(reduced, dtype), tf.float32)

@@ -77,19 +77,17 @@ class Choice:
         if point in self._used:
             scale = self._used[point]
             return scale, _applied(upstream, scale)
-        scaled = None
         with tf.name_scope("tf_als_choice"):
             scale_out = tf.cast(scale_out, tf.float32)
             choose = self._compiled(point, upstream, again)
             if choose is not None:
                 reduced = rule.amax_reduction(upstream[0])
+                # `cast`: the scale in the gradient's dtype, cast inside.
                 scale, cast, amax = choose(reduced, self._limit(point), scale_out)
-                scaled = _applied(upstream, cast)
             else:
                 amax = rule.amax_of(upstream)
-                scale = self._choose(point, upstream, scale_out, amax, again)
-        if scaled is None:
-            scaled = _applied(upstream, scale)
+                scale = cast = self._choose(point, upstream, scale_out, amax, again)
+            scaled = _applied(upstream, cast)
         with tf.name_scope("tf_als_sample"):
             samples = tuple(tallies.sample(dy) for dy in upstream)
         self.record.put(point, pass_record.PointRecord(scale, scale_out, amax, samples))
