@@ -25,7 +25,9 @@ import op_count  # noqa: E402
 # BERT): compiled with them, XLA compiled it once per gradient shape (5 s
 # of compiling for a DenseNet121's 70 output shapes, against 0.1 s once).
 MAX_EXTRA_OPS_PER_POINT = 63
-MAX_FUNCTIONS = 10
+# Functions tf_als adds to the library, counted against Keras's own (4 on
+# Keras 3.15; keras-nightly 3.16's step has 7, and tf_als's 13 there).
+MAX_EXTRA_FUNCTIONS = 6
 # Of those 62.3, the ops dispatched one by one: not inside the compiled
 # choice, whose ops run as one program, and not pruned before the step
 # runs (the tape's zeros for a custom gradient's inputs, the unscaled
@@ -46,8 +48,8 @@ def test_the_cnn_step_stays_within_the_op_ceiling():
     dispatched = result["tf_als"]["dispatched"] - result["keras"]["dispatched"]
     assert 0 < dispatched <= extra
     assert dispatched / points <= MAX_DISPATCHED_PER_POINT, dispatched / points
-    assert result["keras"]["functions"] <= 4
-    assert result["tf_als"]["functions"] <= MAX_FUNCTIONS
+    extra_functions = result["tf_als"]["functions"] - result["keras"]["functions"]
+    assert 0 < extra_functions <= MAX_EXTRA_FUNCTIONS, extra_functions
     # The parts tf_als names are found (the per-part split in the report).
     assert {"choice", "forward", "update"} <= set(result["tf_als"]["parts"])
 
