@@ -26,11 +26,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 MODES = ("no_tape", "tape", "traced")
 
 
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
 def worker(model_name: str, batch: int, mode: str) -> dict:
     import keras
     import tensorflow as tf
@@ -39,7 +34,7 @@ def worker(model_name: str, batch: int, mode: str) -> dict:
 
     keras.mixed_precision.set_global_policy("mixed_float16")
     model, loss, x, y, batch = overhead.build(model_name, 4, batch)
-    built = _rss_mib()
+    built = overhead._rss_mib()
     if mode == "no_tape":
         model(x, training=True)
     elif mode == "tape":
@@ -55,7 +50,7 @@ def worker(model_name: str, batch: int, mode: str) -> dict:
             return tape.gradient(value, model.trainable_weights)
 
         step(x, y)
-    return {"mode": mode, "gained": _rss_mib() - built}
+    return {"mode": mode, "gained": overhead._rss_mib() - built}
 
 
 def main(argv=None):
